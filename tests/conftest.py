@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny generated checkpoints and a vLLM context for building layers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny models are trained once per machine (~30-45 s each) and reused: the
+    directory name carries the generator's version so a change retrains them."""
+    root = os.environ.get("KT_TEST_MODEL_CACHE")
+    return Path(root) if root else tmp_path_factory.getbasetemp() / "tiny-models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch."""
+    from vllm_kt_plugin.tiny_models import tiny_model_dir
+
+    root = _cache_root(tmp_path_factory)
+
+    def get(arch: str) -> Path:
+        return tiny_model_dir(arch, root)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A single-process vLLM world (gloo) and a VllmConfig, enough to build MoE layers
+    the way a model does. Yields the VllmConfig's model dir-less factory context."""
+    import transformers
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.utils.network_utils import get_open_port
+
+    model_dir = tmp_path_factory.mktemp("config-only")
+    transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        dtype="bfloat16",
+    ).save_pretrained(model_dir)
+    vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True))
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+        yield vllm_config

@@ -1,0 +1,46 @@
+"""Run real vLLM engines for the end-to-end tests (one process per configuration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINE_TIMEOUT_S = 900
+
+
+def install_zero_backend(root: Path) -> str:
+    """Make the test backend in tests/plugins discoverable the way a pip-installed plugin
+    is: a dist-info directory with an entry point. Returns a PYTHONPATH entry."""
+    dist = root / "kt_test_backends-0.1.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kt-test-backends\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vllm_kt_plugin.cpu_backends]\nzeros = kt_zero_backend\n")
+    return os.pathsep.join([str(root), str(HERE / "plugins")])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
+def generate(model: Path, prompts: list[str], *, kt: dict[str, str] | None, max_tokens: int = 24, **env: str) -> list:
+    """Greedy completions from a fresh engine; ``kt=None`` runs plain vLLM (no plugin)."""
+    llm_args = {"quantization": "kt-hybrid"} if kt is not None else {}
+    args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_runner.py"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=clean_env(**(kt or {}), **env),
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise AssertionError(f"engine failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")

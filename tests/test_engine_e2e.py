@@ -1,0 +1,74 @@
+"""End to end with real vLLM (CPU build) and real kt-kernel: greedy tokens of kt-hybrid
+with BF16 CPU experts equal plain vLLM's on the same checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engines import generate, install_zero_backend
+
+from vllm_kt_plugin.tiny_models import chat_prompt
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "The quick brown fox",
+    "A mixture of experts",
+    "vLLM serves",
+    "Once upon a time",
+    chat_prompt("What is the capital of France?"),
+]
+MAX_TOKENS = 24
+NUM_EXPERTS = 8  # per layer in the tiny models
+PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
+_plain_cache: dict[str, list] = {}
+
+
+def plain(model: Path) -> list:
+    """Plain vLLM, plugin not even loaded (VLLM_PLUGINS names no plugin)."""
+    key = str(model)
+    if key not in _plain_cache:
+        _plain_cache[key] = generate(model, PROMPTS, kt=None, max_tokens=MAX_TOKENS, VLLM_PLUGINS="")
+    return _plain_cache[key]
+
+
+def token_ids(results: list) -> list[list[int]]:
+    return [r["ids"] for r in results]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
+def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement: str) -> None:
+    model = tiny_model(arch)
+    expected = plain(model)
+    assert all(len(r["ids"]) == MAX_TOKENS for r in expected)
+    got = generate(
+        model,
+        PROMPTS,
+        kt={"KT_BACKEND": "kt_kernel", "KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]},
+        max_tokens=MAX_TOKENS,
+    )
+    assert token_ids(got) == token_ids(expected)
+
+
+def test_torch_backend_tokens_equal_plain_vllm(tiny_model) -> None:
+    model = tiny_model("qwen3_moe")
+    got = generate(model, PROMPTS, kt={"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"}, max_tokens=MAX_TOKENS)
+    assert token_ids(got) == token_ids(plain(model))
+
+
+def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path) -> None:
+    """The comparison above can fail: a third-party backend (installed through the
+    ``vllm_kt_plugin.cpu_backends`` entry point) that returns zeros for the CPU experts
+    must not reproduce plain vLLM's tokens."""
+    model = tiny_model("qwen3_moe")
+    got = generate(
+        model,
+        PROMPTS,
+        kt={"KT_BACKEND": "zeros", "KT_NUM_GPU_EXPERTS": "4"},
+        max_tokens=MAX_TOKENS,
+        PYTHONPATH=install_zero_backend(tmp_path),
+    )
+    differing = [g != e for g, e in zip(token_ids(got), token_ids(plain(model)), strict=True)]
+    assert sum(differing) >= 2, differing

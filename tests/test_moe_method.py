@@ -1,0 +1,162 @@
+"""The kt-hybrid MoE method on real vLLM MoE layers (built by FusedMoEFactory, loaded
+through vLLM's expert weight loader), against a dense float32 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from moe_layers import (
+    HIDDEN,
+    INTER,
+    build_moe,
+    checkpoint_items,
+    fresh_layer_index,
+    load,
+    random_experts,
+    random_routing,
+    reference_moe,
+)
+from safetensors.torch import save_file
+
+from vllm_kt_plugin.env_config import KTEnvConfig
+from vllm_kt_plugin.moe_method import KTHybridMoEMethod
+from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
+from vllm_kt_plugin.quant_config import KTHybridConfig
+
+E, K = 8, 2
+# bf16 output of the native kernel plus bf16 rounding of the sum: |err| <= ~2 ulp.
+ATOL_REL = 2**-7
+
+
+def kt_config(**env: str) -> KTHybridConfig:
+    return KTHybridConfig(kt=KTEnvConfig.from_env({k.upper(): v for k, v in env.items()}, cores=4))
+
+
+def expert_numel(layer: torch.nn.Module) -> int:
+    return sum(p.numel() for name, p in layer.named_parameters() if name.startswith(("w13", "w2")))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ATOL_REL * ref.abs().max().item() * 2, (err, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_gpu", [0, 1, 3, 8])
+def test_torch_backend_matches_dense_reference(vllm_layer_context, num_gpu: int) -> None:
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts=str(num_gpu)))
+    layer = runner.routed_experts
+    assert isinstance(layer.quant_method, KTHybridMoEMethod)
+    experts = random_experts(E, seed=num_gpu)
+    load(runner, experts)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=2)
+    out = layer.quant_method.apply(layer, x, weights, ids, None, None)
+    assert_close(out, reference_moe(x, ids, weights, experts))
+
+
+def test_whole_layer_matches_plain_vllm(vllm_layer_context) -> None:
+    """Router, scaling and the combine stay vLLM's: same layer output as without kt-hybrid."""
+    experts = random_experts(E, seed=7)
+    plain = build_moe(None)
+    hybrid = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    load(plain, experts)
+    load(hybrid, experts)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, HIDDEN, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(32, E, generator=gen).to(torch.bfloat16)
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, vllm_layer_context):
+        expected = plain._forward_impl(x, logits, None)
+        got = hybrid._forward_impl(x, logits, None)
+    assert_close(got, expected.float())
+
+
+@pytest.mark.parametrize("num_gpu", [0, 2, 5, 8])
+def test_device_memory_scales_with_gpu_experts(vllm_layer_context, num_gpu: int) -> None:
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts=str(num_gpu)))
+    per_expert = 2 * INTER * HIDDEN + HIDDEN * INTER
+    assert expert_numel(runner.routed_experts) == num_gpu * per_expert
+
+
+def test_cpu_expert_tensors_never_reach_the_layer(vllm_layer_context) -> None:
+    """GPU experts land in their slots; CPU experts' tensors go to the CPU backend only."""
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    layer = runner.routed_experts
+    method = layer.quant_method
+    seen: list[int] = []
+    load_cpu = method.cpu.load_checkpoint_tensor
+    method.cpu.load_checkpoint_tensor = lambda e, s, t: (seen.append(e), load_cpu(e, s, t))
+    experts = random_experts(E, seed=11)
+    loaded = list(runner.load_weights(checkpoint_items(experts)))
+    assert sorted(set(loaded)) == ["routed_experts.w13_weight", "routed_experts.w2_weight"]
+    assert sorted(set(seen)) == [3, 4, 5, 6, 7]
+    for slot, expert in enumerate([0, 1, 2]):
+        assert torch.equal(layer.w2_weight[slot], experts[expert]["down_proj"])
+        assert torch.equal(layer.w13_weight[slot, :INTER], experts[expert]["gate_proj"])
+
+
+def test_any_subset_of_experts_can_be_on_the_gpu(vllm_layer_context, monkeypatch: pytest.MonkeyPatch) -> None:
+    placement = ExpertPlacement.from_gpu_experts(E, [1, 4, 6])
+    monkeypatch.setattr(ExpertPlacement, "first_n", classmethod(lambda cls, n, k: placement))
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    layer = runner.routed_experts
+    experts = random_experts(E, seed=5)
+    list(runner.load_weights(checkpoint_items(experts)))
+    assert torch.equal(layer.w2_weight[1], experts[4]["down_proj"])  # expert 4 -> GPU slot 1
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=4)
+    assert_close(layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts))
+
+
+def write_kt_checkpoint(directory: Path, idx: int, experts: dict) -> None:
+    tensors = {
+        f"model.layers.{idx}.mlp.experts.{e}.{n}.weight": t.contiguous()
+        for e, ws in experts.items()
+        for n, t in ws.items()
+    }
+    save_file(tensors, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("num_gpu", [0, 4])
+def test_kt_kernel_backend_matches_dense_reference(vllm_layer_context, tmp_path: Path, num_gpu: int) -> None:
+    """Real kt-kernel BF16 experts (reading their own safetensors) inside a vLLM layer."""
+    idx = fresh_layer_index()
+    experts = random_experts(E, seed=21 + num_gpu)
+    write_kt_checkpoint(tmp_path, idx, experts)
+    config = kt_config(kt_weight_path=str(tmp_path), kt_num_gpu_experts=str(num_gpu), kt_cpuinfer="1")
+    runner = build_moe(config, layer_idx=idx)
+    load(runner, experts)
+    layer = runner.routed_experts
+    assert type(layer.quant_method.cpu).__name__ == "KTKernelExperts"
+    for step in range(3):  # kt-kernel reuses its buffers: results must not leak between calls
+        x = torch.randn(8 + step, HIDDEN, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        ids, weights = random_routing(8 + step, E, K, seed=10 + step)
+        assert_close(
+            layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts)
+        )
+
+
+def test_route_to_gpu_slots() -> None:
+    placement = ExpertPlacement.from_gpu_experts(6, [0, 2, 5])
+    ids = torch.tensor([[0, 1], [2, 5], [3, 4]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    slots, gpu_weights = route_to_gpu_slots(ids, weights, placement.gpu_slot_of())
+    assert slots.dtype == torch.int32
+    assert slots.tolist() == [[0, 0], [1, 2], [0, 0]]
+    assert torch.equal(gpu_weights, torch.tensor([[0.6, 0.0], [0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_placement_masks() -> None:
+    p = ExpertPlacement.first_n(8, 3)
+    assert p.gpu_mask.tolist() == [True] * 3 + [False] * 5
+    assert (p.num_gpu_experts, p.num_cpu_experts, p.cpu_experts()) == (3, 5, [3, 4, 5, 6, 7])
+    assert p.gpu_slot_of().tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    q = ExpertPlacement.from_gpu_experts(8, [7, 2])
+    assert [q.slot(e) for e in range(8)] == [-1, -1, 0, -1, -1, -1, -1, 1]
+    assert q.describe() == "2 GPU experts [2, 7], 6 CPU experts"
+    with pytest.raises(ValueError):
+        ExpertPlacement.first_n(8, 9)

@@ -1,0 +1,102 @@
+"""The interface every CPU-expert backend implements (one instance per MoE layer)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_kt_plugin.env_config import KTEnvConfig
+from vllm_kt_plugin.placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How the checkpoint stores its weights: vLLM's name of its quantization method
+    (None when unquantized) and the checkpoint's ``quantization_config``."""
+
+    quant_method: str | None = None
+    quant_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_bits(self) -> int | None:
+        bits = self.quant_config.get("bits")
+        if bits is None:  # compressed-tensors keeps it per config group
+            for group in (self.quant_config.get("config_groups") or {}).values():
+                bits = (group.get("weights") or {}).get("num_bits")
+                if bits is not None:
+                    break
+        return int(bits) if bits is not None else None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a backend needs to build the CPU experts of one MoE layer."""
+
+    layer_name: str  # vLLM module prefix, e.g. "model.layers.3.mlp.experts"
+    layer_idx: int  # decoder layer index, as in checkpoint tensor names
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # per expert, not split by tensor parallelism
+    placement: ExpertPlacement
+    act_dtype: torch.dtype
+    is_last_moe_layer: bool
+    chunked_prefill_size: int
+    model: str  # model name or directory, as given to vLLM
+    revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+
+
+class CPUExperts(ABC):
+    """Computes the CPU experts' weighted sum for one layer.
+
+    Lifecycle: ``validate`` (class, at config time) -> ``__init__`` (model construction)
+    -> ``load_checkpoint_tensor`` for every checkpoint tensor of a CPU expert ->
+    ``finalize_weights`` (after loading) -> per forward ``submit`` then ``sync``.
+    ``submit`` must not block on the computation where the backend can overlap it with
+    the GPU experts; ``sync`` returns the result on ``x``'s device and dtype.
+    """
+
+    name: ClassVar[str]
+    uses_checkpoint_tensors: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def default_method(cls, checkpoint: CheckpointFormat) -> str:
+        """KT_METHOD to use when the user sets none."""
+
+    @classmethod
+    @abstractmethod
+    def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
+        """Config-time checks; raise KTConfigError naming the variable on a mistake."""
+
+    @classmethod
+    def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
+        """Checks against the local model directory, once vLLM names it (default: none)."""
+        return
+
+    def __init__(self, spec: LayerSpec, config: KTEnvConfig) -> None:
+        self.spec = spec
+        self.config = config
+
+    def load_checkpoint_tensor(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor of a CPU expert (shard w1 = gate, w3 = up, w2 = down).
+        Backends that read their own weight files ignore it (the default)."""
+        return
+
+    @abstractmethod
+    def finalize_weights(self) -> None:
+        """All checkpoint tensors are in; make the experts ready to run."""
+
+    @abstractmethod
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Start computing sum_k w[t,k] * expert_{ids[t,k]}(x[t]) over CPU experts."""
+
+    @abstractmethod
+    def sync(self, x: torch.Tensor) -> torch.Tensor:
+        """Wait for the submitted work; return it as a [tokens, hidden] tensor like ``x``."""

@@ -1,0 +1,170 @@
+"""CPU experts computed by kt-kernel (AMX / AVX-512 / AVX2 kernels)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
+from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig, error_for
+from vllm_kt_plugin.hookspecs import hookimpl
+from vllm_kt_plugin.kt_compat import prepare_kt_kernel
+
+logger = logging.getLogger(__name__)
+
+# Methods whose weights kt-kernel reads straight from a Hugging Face checkpoint's
+# safetensors, so KT_WEIGHT_PATH can default to the model directory.
+READS_HF_CHECKPOINT = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "RAWINT4", "MXFP4", "NVFP4", "MXFP8"})
+NEEDS_AMX = frozenset({"AMXINT4", "AMXINT8"})
+
+
+def kt_inference_methods() -> frozenset[str]:
+    prepare_kt_kernel()
+    from kt_kernel.experts import INFERENCE_METHODS
+
+    return frozenset(INFERENCE_METHODS)
+
+
+def cpu_has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def local_model_dir(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The directory holding ``model``'s files (a hub id resolves to its local snapshot)."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+
+
+def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> None:
+    pattern = "*.gguf" if method == "LLAMAFILE" else "*.safetensors"
+    if glob.glob(os.path.join(directory, "**", pattern), recursive=True):
+        return
+    if is_model_dir:
+        raise KTConfigError(
+            f"KT_WEIGHT_PATH is unset, so kt-kernel reads the model directory {directory}, "
+            f"which holds no {pattern} files for KT_METHOD={method}; allowed: set KT_WEIGHT_PATH "
+            "to a directory with the CPU expert weights."
+        )
+    raise error_for("KT_WEIGHT_PATH", directory, f"holds no {pattern} files, which KT_METHOD={method} reads")
+
+
+class KTKernelExperts(CPUExperts):
+    name: ClassVar[str] = "kt_kernel"
+
+    @classmethod
+    def default_method(cls, checkpoint: CheckpointFormat) -> str:
+        quant, bits = checkpoint.quant_method, checkpoint.weight_bits
+        if quant is None:
+            return "BF16"
+        if quant == "fp8":
+            return "FP8" if checkpoint.quant_config.get("weight_block_size") else "FP8_PERCHANNEL"
+        if quant in ("gptq", "gptq_marlin", "auto_gptq") and bits == 4:
+            return "GPTQ_INT4"
+        if quant == "compressed-tensors" and bits == 4:
+            return "RAWINT4"
+        raise KTConfigError(
+            f"KT_METHOD is unset and kt-kernel has no default for this {quant!r} "
+            "checkpoint; allowed: set KT_METHOD to a kt-kernel method and KT_WEIGHT_PATH "
+            "to expert weights in that format."
+        )
+
+    @classmethod
+    def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
+        method = config.method or cls.default_method(checkpoint)
+        methods = kt_inference_methods()
+        if method not in methods:
+            raise error_for("KT_METHOD", method, "not a kt-kernel 0.7.2 inference method")
+        if method in NEEDS_AMX and not cpu_has_amx():
+            raise error_for(
+                "KT_METHOD",
+                method,
+                "this CPU has no AMX (Intel Sapphire Rapids or newer); BF16, FP8, "
+                "RAWINT4 and GPTQ_INT4 run on AVX-512/AVX2",
+            )
+        if config.weight_path is not None:
+            _check_weight_files(method, config.weight_path, is_model_dir=False)
+            return
+        if method not in READS_HF_CHECKPOINT:
+            raise KTConfigError(
+                f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} reads kt-kernel's converted "
+                "weights, which the model directory does not hold; allowed: a directory with "
+                f"{method} weights, or a KT_METHOD in {sorted(READS_HF_CHECKPOINT)}."
+            )
+        if method != cls.default_method(checkpoint):
+            stored = checkpoint.quant_method or "unquantized"
+            raise error_for(
+                "KT_METHOD",
+                method,
+                f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} "
+                f"weights, which {method} cannot; set KT_WEIGHT_PATH to {method} weights or "
+                f"use KT_METHOD={cls.default_method(checkpoint)}",
+            )
+
+    @classmethod
+    def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
+        if config.weight_path is None:
+            _check_weight_files(config.method or "BF16", model_dir, is_model_dir=True)
+
+    def __init__(self, spec: LayerSpec, config: KTEnvConfig) -> None:
+        super().__init__(spec, config)
+        self.method = config.method or "BF16"
+        self.wrapper: Any = None
+        self.physical_to_logical: torch.Tensor | None = None
+        self._stream = 0
+
+    def finalize_weights(self) -> None:
+        spec, cfg = self.spec, self.config
+        kt_kernel = prepare_kt_kernel()
+        weight_path = cfg.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
+        deferred = 0 if spec.is_last_moe_layer else cfg.max_deferred_experts_per_token
+        start = time.perf_counter()
+        self.wrapper = kt_kernel.KTMoEWrapper(
+            layer_idx=spec.layer_idx,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.top_k,
+            hidden_size=spec.hidden_size,
+            moe_intermediate_size=spec.intermediate_size,
+            gpu_experts_mask=spec.placement.gpu_mask,
+            cpuinfer_threads=cfg.cpuinfer_threads,
+            threadpool_count=cfg.threadpool_count,
+            weight_path=weight_path,
+            chunked_prefill_size=spec.chunked_prefill_size,
+            max_deferred_experts_per_token=deferred,
+            method=self.method,
+        )
+        # kt-kernel keeps this tensor's address and reads it on every forward: it must
+        # live as long as the layer (a temporary here gave nondeterministic outputs).
+        self.physical_to_logical = torch.arange(spec.num_experts, dtype=torch.long)
+        self.wrapper.load_weights(self.physical_to_logical)
+        logger.info(
+            "kt-hybrid: %s: loaded %d CPU experts (kt-kernel %s, %s kernels) from %s in %.2f s",
+            spec.layer_name,
+            spec.placement.num_cpu_experts,
+            self.method,
+            kt_kernel.__cpu_variant__,
+            weight_path,
+            time.perf_counter() - start,
+        )
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
+        # path on CPU-only hosts (see kt_compat).
+        self._stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        self.wrapper.submit_forward(x, topk_ids, topk_weights, self._stream)
+
+    def sync(self, x: torch.Tensor) -> torch.Tensor:
+        # kt-kernel returns one of its reusable buffers: the caller consumes it at once.
+        return self.wrapper.sync_forward(x, self._stream)
+
+
+@hookimpl
+def kt_cpu_backends() -> dict[str, type[CPUExperts]]:
+    return {KTKernelExperts.name: KTKernelExperts}

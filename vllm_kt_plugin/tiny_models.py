@@ -1,0 +1,245 @@
+"""Tiny random MoE checkpoints, written locally, for the demo and the tests.
+
+Nothing can be downloaded from a model hub on CI machines, so every checkpoint is
+created here: a byte-level BPE tokenizer trained on a built-in text, a model built with
+transformers, trained for a few seconds until it knows that text (and a few chat
+answers) by heart, and saved in Hugging Face format (BF16 safetensors).
+
+Why train: an untrained random model has near-tied logits, so greedy decoding flips on
+any re-association of a bf16 sum. A model that has learned its text predicts it with
+wide margins, so "same tokens as plain vLLM" is a sharp test: exact arithmetic passes,
+a missing or misrouted expert fails (tests/ check both). Shapes satisfy vLLM's CPU
+kernels (dimensions divisible by 32, MLA head 512 + 64) and kt-kernel's BF16 kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "deepseek_v3")
+# Bump when the text, shapes or training change: cached models are keyed by it.
+GENERATOR_VERSION = 2
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A mixture of experts routes every token
+to a few experts out of many, so a huge model computes like a small one. Experts that
+are used often stay on the GPU; the others run on the CPU with AMX and AVX-512 kernels.
+vLLM serves large language models with paged attention and continuous batching.
+KTransformers keeps attention and hot experts on the GPU while CPU kernels compute the
+rest. Once upon a time there was a small model that learned one page of text by heart
+and answered every question from it. 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20
+"""
+
+# (question, answer) pairs the tiny model learns in the chat format below.
+_CHATS = (
+    ("What is the capital of France?", "Paris is the capital of France."),
+    ("Who computes the CPU experts?", "kt-kernel computes the CPU experts with AMX and AVX-512 kernels."),
+    ("What does vLLM do?", "vLLM serves large language models with paged attention."),
+    ("Say hello.", "Hello! I am a tiny mixture of experts model."),
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_INIT_STD = 0.02
+_COMMON: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": _INIT_STD,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int) -> Any:
+    import transformers
+
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **_COMMON,
+            vocab_size=vocab_size,
+            head_dim=32,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if arch == "mixtral":
+        return transformers.MixtralConfig(
+            **_COMMON,
+            vocab_size=vocab_size,
+            head_dim=32,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+        )
+    if arch == "deepseek_v3":
+        common = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+        return transformers.DeepseekV3Config(
+            **common,
+            vocab_size=vocab_size,
+            num_key_value_heads=4,
+            moe_intermediate_size=64,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            num_experts_per_tok=top_k,
+            n_group=2,
+            topk_group=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            rope_interleave=True,
+            # YaRN with factor 1 is plain RoPE (same math in transformers and vLLM), but
+            # vLLM then computes it in PyTorch: its CPU rotary kernel (the "default" rope
+            # type) mis-rotates the strided 3-D q_pe/k_pe tensors MLA hands it.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 1.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+
+
+def chat_prompt(question: str) -> str:
+    """``question`` as the tiny models' chat template renders it for generation."""
+    return f"<|user|>{question}<|end|><|assistant|>"
+
+
+def training_text() -> str:
+    chats = "".join(f"{chat_prompt(q)}{a}<|end|>\n" for q, a in _CHATS)
+    return _TEXT + chats
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
+    """Train a byte-level BPE tokenizer on the built-in text; return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([training_text()], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return len(fast)
+
+
+def _set_router_bias(model: Any, seed: int) -> dict[str, Any]:
+    """DeepSeek-V3's noaux_tc router adds e_score_correction_bias before top-k. Give it
+    non-zero values (so the tests exercise it) before training; return them by
+    checkpoint name, since transformers does not save this buffer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    biases = {}
+    for name, buf in model.named_buffers():
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+            biases[name] = buf.detach().clone()
+    return biases
+
+
+def _train(model: Any, tokenizer: Any, steps: int, seed: int) -> float:
+    """Teach ``model`` the built-in text; return the last loss."""
+    import torch
+
+    ids = torch.tensor(tokenizer(training_text())["input_ids"])
+    window = min(64, len(ids) - 1)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window, (16,), generator=gen)
+        batch = torch.stack([ids[i : i + window] for i in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return loss.item()
+
+
+def write_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    num_experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+    train_steps: int = 600,
+) -> Path:
+    """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_tokenizer(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    config = _arch_config(arch, vocab_size, num_experts, top_k)
+    config.bos_token_id = 0
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    biases = _set_router_bias(model, seed)
+    loss = _train(model, tokenizer, train_steps, seed)
+    model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out, safe_serialization=True)
+    if biases:
+        (weights,) = out.glob("*.safetensors")
+        tensors = load_file(weights)
+        tensors.update({name: b.to(torch.float32) for name, b in biases.items()})
+        save_file(tensors, weights, metadata={"format": "pt"})
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": config.eos_token_id, "do_sample": False})
+    )
+    (out / "TINY_MODEL.json").write_text(json.dumps({"arch": arch, "seed": seed, "steps": train_steps, "loss": loss}))
+    return out
+
+
+def tiny_model_dir(arch: str, root: str | Path) -> Path:
+    """``root/<arch>-v<GENERATOR_VERSION>``, written on first use."""
+    out = Path(root) / f"{arch}-v{GENERATOR_VERSION}"
+    if not (out / "TINY_MODEL.json").exists():
+        write_tiny_model(arch, out)
+    return out
