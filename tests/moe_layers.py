@@ -24,6 +24,7 @@ def build_moe(
     hidden: int = HIDDEN,
     inter: int = INTER,
     layer_idx: int | None = None,
+    **factory_args,
 ):
     """A MoERunner like a model's (``model.layers.<idx>.mlp.experts``)."""
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
@@ -38,6 +39,7 @@ def build_moe(
         renormalize=True,
         quant_config=quant_config,
         prefix=f"model.layers.{idx}.mlp.experts",
+        **factory_args,
     )
 
 

@@ -12,6 +12,7 @@ from vllm_kt_plugin.cpu_backends import backend_class
 from vllm_kt_plugin.cpu_backends import kt_kernel_backend as ktb
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.env_config import (
+    LOGGER_NAME,
     VARIABLES,
     KTConfigError,
     KTEnvConfig,
@@ -189,17 +190,26 @@ def test_default_method_follows_the_checkpoint() -> None:
         kt_cls.default_method(CheckpointFormat("awq_marlin", {"quant_method": "awq", "bits": 4}))
 
 
-def test_all_threads_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        build({"KT_CPUINFER": "16"}, cores=16)
-    assert "KT_CPUINFER=16 uses all 16 usable cores" in caplog.text
+@pytest.fixture
+def warnings_seen(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Our logger lives under vLLM's, which does not propagate to the root logger that
+    caplog listens on: attach caplog's handler to it directly."""
+    plugin_logger = logging.getLogger(LOGGER_NAME)
+    plugin_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    yield caplog
+    plugin_logger.removeHandler(caplog.handler)
 
 
-def test_typo_in_variable_name_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        build({"KT_NUM_GPU_EXPERT": "4", "KT_KERNEL_DEBUG": "1"})
-    assert "KT_NUM_GPU_EXPERT" in caplog.text and "did you mean KT_NUM_GPU_EXPERTS" in caplog.text
-    assert "KT_KERNEL_DEBUG" not in caplog.text  # kt-kernel's own variable
+def test_all_threads_warns(warnings_seen: pytest.LogCaptureFixture) -> None:
+    build({"KT_CPUINFER": "16"}, cores=16)
+    assert "KT_CPUINFER=16 uses all 16 usable cores" in warnings_seen.text
+
+
+def test_typo_in_variable_name_warns(warnings_seen: pytest.LogCaptureFixture) -> None:
+    build({"KT_NUM_GPU_EXPERT": "4", "KT_KERNEL_DEBUG": "1"})
+    assert "KT_NUM_GPU_EXPERT" in warnings_seen.text and "did you mean KT_NUM_GPU_EXPERTS" in warnings_seen.text
+    assert "KT_KERNEL_DEBUG" not in warnings_seen.text  # kt-kernel's own variable
 
 
 def test_every_variable_is_documented_in_the_readme() -> None:

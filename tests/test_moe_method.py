@@ -20,7 +20,7 @@ from moe_layers import (
 )
 from safetensors.torch import save_file
 
-from vllm_kt_plugin.env_config import KTEnvConfig
+from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig
 from vllm_kt_plugin.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
 from vllm_kt_plugin.quant_config import KTHybridConfig
@@ -138,6 +138,15 @@ def test_kt_kernel_backend_matches_dense_reference(vllm_layer_context, tmp_path:
         assert_close(
             layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts)
         )
+
+
+@pytest.mark.parametrize(
+    "factory_args,reason",
+    [({"activation": "gelu"}, "SiLU-gated experts only"), ({"has_bias": True}, "biases")],
+)
+def test_what_kt_kernel_cannot_do_is_refused(vllm_layer_context, factory_args: dict, reason: str) -> None:
+    with pytest.raises(KTConfigError, match=reason):
+        build_moe(kt_config(), **factory_args)
 
 
 def test_route_to_gpu_slots() -> None:

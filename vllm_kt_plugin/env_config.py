@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger tree, so messages appear (and are filtered) like vLLM's own.
+LOGGER_NAME = "vllm.kt_hybrid"
+logger = logging.getLogger(LOGGER_NAME)
 
 DEFAULT_BACKEND = "kt_kernel"
 RESERVED_CORES = 2

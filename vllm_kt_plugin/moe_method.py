@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
-from vllm_kt_plugin.env_config import KTConfigError
+from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError
 from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.quant_config import KTHybridConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
 
 # kt-hybrid layers of this process by name, for the custom op below.
 _LAYERS: dict[str, KTHybridMoEMethod] = {}

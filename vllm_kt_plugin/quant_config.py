@@ -17,7 +17,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
-from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig
+from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 QUANT_NAME = "kt-hybrid"
 

@@ -11,11 +11,11 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
-from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig, error_for
+from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig, error_for
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.kt_compat import prepare_kt_kernel
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 # Methods whose weights kt-kernel reads straight from a Hugging Face checkpoint's
 # safetensors, so KT_WEIGHT_PATH can default to the model directory.

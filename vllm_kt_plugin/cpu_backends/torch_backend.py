@@ -7,7 +7,6 @@ which it receives while vLLM loads the model.
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 import torch
@@ -16,8 +15,6 @@ import torch.nn.functional as F
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
 from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig, error_for
 from vllm_kt_plugin.hookspecs import hookimpl
-
-logger = logging.getLogger(__name__)
 
 SHARDS = ("w1", "w3", "w2")  # gate, up, down
 
