@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv: vLLM 0.32.0 (CPU or CUDA build), kt-kernel 0.7.2 and this plugin.
 #
-#   KT_VLLM_BUILD=cpu|cuda|auto   which vLLM build (auto: cuda when nvidia-smi sees a GPU)
+#   VLLM_KT_BUILD=cpu|cuda|auto   which vLLM build (auto: cuda when nvidia-smi sees a GPU)
 #   VENV=.venv                    where the environment goes
 #   PYTHON=python3                interpreter for a new venv (3.10-3.12)
 #
@@ -16,11 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-BUILD=${KT_VLLM_BUILD:-auto}
+BUILD=${VLLM_KT_BUILD:-auto}
 if [ "$BUILD" = auto ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then BUILD=cuda; else BUILD=cpu; fi
 fi
-case "$BUILD" in cpu|cuda) ;; *) echo "KT_VLLM_BUILD=$BUILD: use cpu, cuda or auto" >&2; exit 2;; esac
+case "$BUILD" in cpu|cuda) ;; *) echo "VLLM_KT_BUILD=$BUILD: use cpu, cuda or auto" >&2; exit 2;; esac
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE))
 def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny models are trained once per machine (~30-45 s each) and reused: the
     directory name carries the generator's version so a change retrains them."""
-    root = os.environ.get("KT_TEST_MODEL_CACHE")
+    root = os.environ.get("VLLM_KT_TEST_MODEL_CACHE")
     return Path(root) if root else tmp_path_factory.getbasetemp() / "tiny-models"
 
 

@@ -176,18 +176,33 @@ def test_default_threads_leave_two_cores() -> None:
 
 def test_default_method_follows_the_checkpoint() -> None:
     kt_cls = backend_class("kt_kernel")
-    gptq = CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4})
-    ct4 = CheckpointFormat("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 4}}}})
-    fp8_channel = CheckpointFormat("fp8", {"quant_method": "fp8"})
-    assert [kt_cls.default_method(c) for c in (UNQUANTIZED, FP8_BLOCK, fp8_channel, gptq, ct4)] == [
+    gptq = CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4, "sym": True})
+    ct_int4 = CheckpointFormat("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 4}}}})
+    ct_fp8_channel = CheckpointFormat(
+        "compressed-tensors",
+        {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+    )
+    assert [kt_cls.default_method(c) for c in (UNQUANTIZED, FP8_BLOCK, gptq, ct_int4, ct_fp8_channel)] == [
         "BF16",
         "FP8",
-        "FP8_PERCHANNEL",
         "GPTQ_INT4",
         "RAWINT4",
+        "FP8_PERCHANNEL",
     ]
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    [
+        CheckpointFormat("fp8", {"quant_method": "fp8"}),  # per-tensor scales: no kt-kernel reader
+        CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4, "desc_act": True}),
+        CheckpointFormat("awq_marlin", {"quant_method": "awq", "bits": 4}),
+    ],
+    ids=["fp8 per-tensor", "gptq act-order", "awq"],
+)
+def test_checkpoints_without_a_default_method_ask_for_one(checkpoint: CheckpointFormat) -> None:
     with pytest.raises(KTConfigError, match="KT_METHOD is unset"):
-        kt_cls.default_method(CheckpointFormat("awq_marlin", {"quant_method": "awq", "bits": 4}))
+        build({}, checkpoint)
 
 
 @pytest.fixture

@@ -112,9 +112,11 @@ def test_any_subset_of_experts_can_be_on_the_gpu(vllm_layer_context, monkeypatch
     assert_close(layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts))
 
 
-def write_kt_checkpoint(directory: Path, idx: int, experts: dict) -> None:
+def write_kt_checkpoint(directory: Path, layers: dict[int, dict]) -> None:
+    """Experts of several decoder layers, named as in a Hugging Face checkpoint."""
     tensors = {
         f"model.layers.{idx}.mlp.experts.{e}.{n}.weight": t.contiguous()
+        for idx, experts in layers.items()
         for e, ws in experts.items()
         for n, t in ws.items()
     }
@@ -123,21 +125,35 @@ def write_kt_checkpoint(directory: Path, idx: int, experts: dict) -> None:
 
 @pytest.mark.parametrize("num_gpu", [0, 4])
 def test_kt_kernel_backend_matches_dense_reference(vllm_layer_context, tmp_path: Path, num_gpu: int) -> None:
-    """Real kt-kernel BF16 experts (reading their own safetensors) inside a vLLM layer."""
+    """Real kt-kernel BF16 experts (reading their own safetensors) in two consecutive vLLM
+    layers, called in turn with one batch size: kt-kernel reuses its buffers per batch
+    size and alternates them between layers, so stale results would show."""
     idx = fresh_layer_index()
-    experts = random_experts(E, seed=21 + num_gpu)
-    write_kt_checkpoint(tmp_path, idx, experts)
+    layers = {idx: random_experts(E, seed=21 + num_gpu), idx + 1: random_experts(E, seed=31 + num_gpu)}
+    assert fresh_layer_index() == idx + 1
+    write_kt_checkpoint(tmp_path, layers)
     config = kt_config(kt_weight_path=str(tmp_path), kt_num_gpu_experts=str(num_gpu), kt_cpuinfer="1")
-    runner = build_moe(config, layer_idx=idx)
-    load(runner, experts)
-    layer = runner.routed_experts
-    assert type(layer.quant_method.cpu).__name__ == "KTKernelExperts"
-    for step in range(3):  # kt-kernel reuses its buffers: results must not leak between calls
-        x = torch.randn(8 + step, HIDDEN, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
-        ids, weights = random_routing(8 + step, E, K, seed=10 + step)
-        assert_close(
-            layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts)
-        )
+    runners = {i: build_moe(config, layer_idx=i) for i in layers}
+    for i, runner in runners.items():
+        load(runner, layers[i])
+        assert type(runner.routed_experts.quant_method.cpu).__name__ == "KTKernelExperts"
+    for step in range(3):
+        for i, runner in runners.items():
+            layer = runner.routed_experts
+            x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(10 * step + i)).to(torch.bfloat16)
+            ids, weights = random_routing(8, E, K, seed=100 * step + i)
+            out = layer.quant_method.apply(layer, x, weights, ids, None, None)
+            assert_close(out, reference_moe(x, ids, weights, layers[i]))
+
+
+def test_deferral_only_into_a_following_hybrid_layer(vllm_layer_context) -> None:
+    """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN reaches kt-kernel only where the next decoder
+    layer is a kt-hybrid layer that adds the deferred experts (never on the last one)."""
+    config = kt_config(kt_max_deferred_experts_per_token="1", kt_num_gpu_experts="2")
+    first = fresh_layer_index()
+    assert [fresh_layer_index() for _ in range(3)] == [first + 1, first + 2, first + 3]  # reserved
+    methods = [build_moe(config, layer_idx=i).routed_experts.quant_method for i in (first, first + 1, first + 3)]
+    assert [m._deferral() for m in methods] == [1, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -165,7 +181,7 @@ def test_placement_masks() -> None:
     assert (p.num_gpu_experts, p.num_cpu_experts, p.cpu_experts()) == (3, 5, [3, 4, 5, 6, 7])
     assert p.gpu_slot_of().tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     q = ExpertPlacement.from_gpu_experts(8, [7, 2])
-    assert [q.slot(e) for e in range(8)] == [-1, -1, 0, -1, -1, -1, -1, 1]
+    assert q.gpu_slot_of().tolist() == [-1, -1, 0, -1, -1, -1, -1, 1]
     assert q.describe() == "2 GPU experts [2, 7], 6 CPU experts"
     with pytest.raises(ValueError):
         ExpertPlacement.first_n(8, 9)

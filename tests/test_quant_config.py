@@ -3,24 +3,34 @@ routed experts get the checkpoint's method untouched."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from moe_layers import build_moe
 
+from vllm_kt_plugin.env_config import KTConfigError
 from vllm_kt_plugin.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.quant_config import QUANT_NAME, KTHybridConfig, resolve_native_method_name
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 
 
-def test_fp8_checkpoint_linear_and_moe_methods(vllm_layer_context, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_checkpoint_linear_and_moe_methods(
+    vllm_layer_context, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
+    # fp8 GPU experts from the checkpoint; BF16 CPU experts from a directory of their own
+    # (kt-kernel reads no per-tensor fp8 checkpoint, so KT_METHOD must be given).
+    (tmp_path / "experts.safetensors").write_bytes(b"")
     monkeypatch.setenv("KT_NUM_GPU_EXPERTS", "2")
+    monkeypatch.setenv("KT_METHOD", "BF16")
+    monkeypatch.setenv("KT_WEIGHT_PATH", str(tmp_path))
     config = KTHybridConfig.from_config(dict(FP8))
     assert isinstance(config.native, Fp8Config)
-    assert (config.checkpoint.quant_method, config.kt.method, config.kt.num_gpu_experts) == ("fp8", "FP8_PERCHANNEL", 2)
+    assert (config.checkpoint.quant_method, config.kt.method, config.kt.num_gpu_experts) == ("fp8", "BF16", 2)
 
     reference = Fp8Config.from_config(dict(FP8))
     linear = ReplicatedLinear(256, 256, bias=False, quant_config=config, prefix="model.layers.0.mlp.gate_up")
@@ -37,6 +47,12 @@ def test_fp8_checkpoint_linear_and_moe_methods(vllm_layer_context, monkeypatch: 
     assert moe.w13_weight.shape[0] == 2 and moe.w13_weight.dtype == torch.float8_e4m3fn
     assert expected_moe.w13_weight.shape[0] == 8
     assert moe.w13_weight_scale.shape[0] == 2 and expected_moe.w13_weight_scale.shape[0] == 8
+
+
+def test_fp8_checkpoint_without_kt_method_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KT_METHOD", raising=False)
+    with pytest.raises(KTConfigError, match="KT_METHOD is unset"):
+        KTHybridConfig.from_config(dict(FP8))
 
 
 def test_vllm_picks_the_native_method_as_without_the_plugin() -> None:

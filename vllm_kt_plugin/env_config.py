@@ -12,7 +12,7 @@ import glob
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Under vLLM's logger tree, so messages appear (and are filtered) like vLLM's own.
@@ -22,14 +22,24 @@ logger = logging.getLogger(LOGGER_NAME)
 DEFAULT_BACKEND = "kt_kernel"
 RESERVED_CORES = 2
 
-# Variables of kt-kernel itself; they share our prefix and are not typos.
+# Variables kt-kernel 0.7.2 itself reads; they share our prefix and are not typos.
 KT_KERNEL_OWN_VARIABLES = frozenset(
     {
+        "KT_ADAPTER_MANIFEST_NAME",
+        "KT_EXTERNAL_NPU_REPORT_SUBSCRIBER",
+        "KT_FORCE_SYNC_SUBMIT",
+        "KT_GPTQ_INT4_BACKEND",
+        "KT_INT8_VNNI_BACKEND",
         "KT_KERNEL_CPU_VARIANT",
         "KT_KERNEL_DEBUG",
-        "KT_INT8_VNNI_BACKEND",
-        "KT_FORCE_SYNC_SUBMIT",
-        "KT_EXTERNAL_NPU_REPORT_SUBSCRIBER",
+        "KT_LANG",
+        "KT_MXFP4_BACKEND",
+        "KT_MXFP8_BACKEND",
+        "KT_NON_EXPERT_MANIFEST_NAME",
+        "KT_RAWINT4_BACKEND",
+        "KT_REUSE_CHECKPOINT_FORWARD",
+        "KT_SFT_DEBUG",
+        "KT_SFT_ENABLE_WARMUP",
     }
 )
 
@@ -172,7 +182,6 @@ class KTEnvConfig:
     threadpool_count: int = 1
     chunked_prefill_size: int | None = None
     max_deferred_experts_per_token: int = 0
-    cores: int = field(default=1, compare=False)
 
     @classmethod
     def from_env(
@@ -237,7 +246,6 @@ class KTEnvConfig:
             threadpool_count=pools,
             chunked_prefill_size=chunk,
             max_deferred_experts_per_token=deferred,
-            cores=cores,
         )
 
     def with_method(self, method: str) -> KTEnvConfig:

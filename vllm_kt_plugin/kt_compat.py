@@ -47,10 +47,13 @@ def prepare_kt_kernel() -> types.ModuleType:
         import kt_kernel
         import kt_kernel.experts_base as experts_base
     except ImportError as e:
-        raise RuntimeError(
-            "KT_BACKEND=kt_kernel needs kt-kernel 0.7.2, which is not importable "
-            f"({e}). Install it with `pip install --no-deps kt-kernel==0.7.2` "
-            "(scripts/setup.sh does), or set KT_BACKEND=torch."
+        from vllm_kt_plugin.env_config import error_for
+
+        raise error_for(
+            "KT_BACKEND",
+            "kt_kernel",
+            f"kt-kernel is not importable: {e}; install it with `pip install --no-deps "
+            "kt-kernel==0.7.2` (scripts/setup.sh does) or use KT_BACKEND=torch",
         ) from e
     if not torch.accelerator.is_available():
         experts_base.torch = _torch_without_pinning()  # type: ignore[attr-defined]

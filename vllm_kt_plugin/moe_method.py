@@ -33,6 +33,7 @@ from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError
 from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts
 
@@ -82,12 +83,29 @@ def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
     parallel: FusedMoEParallelConfig = moe.moe_parallel_config
     if parallel.use_ep or parallel.enable_eplb:
         problems.append("expert parallelism / EPLB is enabled; kt-hybrid places experts itself")
-    if parallel.dp_size > 1:
-        problems.append("data parallelism is enabled, which kt-hybrid does not support")
+    if parallel.dp_size > 1 or parallel.pcp_size > 1:
+        problems.append("data or prefill-context parallelism is enabled, which kt-hybrid does not support")
+    if moe.is_lora_enabled:
+        problems.append("LoRA is enabled, which kt-hybrid does not support on MoE layers")
     if layer.expert_map_manager.num_fused_shared_experts:
         problems.append("shared experts are fused into the routed experts (ROCm AITER)")
     if problems:
         raise KTConfigError(f"kt-hybrid cannot run {name}: " + "; ".join(problems) + ".")
+
+
+def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
+    """Batch sizes vLLM will capture CUDA graphs for (none on CPU or when eager)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    compilation = vllm_config.compilation_config
+    if (
+        not current_platform.is_cuda_alike()
+        or vllm_config.model_config.enforce_eager
+        or compilation.cudagraph_mode in (None, CUDAGraphMode.NONE)
+    ):
+        return ()
+    return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
 def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, chunk: int) -> LayerSpec:
@@ -96,23 +114,20 @@ def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, c
     vllm_config = get_current_vllm_config()
     model_config = vllm_config.model_config
     moe = layer.moe_config
-    layer_idx = extract_layer_index(prefix)
-    num_layers = model_config.hf_text_config.num_hidden_layers
     return LayerSpec(
         layer_name=prefix,
-        layer_idx=layer_idx,
+        layer_idx=extract_layer_index(prefix),
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=moe.hidden_dim,
         intermediate_size=moe.intermediate_size,
         placement=placement,
-        act_dtype=moe.in_dtype,
-        is_last_moe_layer=layer_idx == num_layers - 1,
         chunked_prefill_size=chunk,
         model=model_config.model,
         revision=model_config.revision,
         download_dir=vllm_config.load_config.download_dir,
         load_format=str(vllm_config.load_config.load_format),
+        cuda_graph_batch_sizes=_cuda_graph_batch_sizes(vllm_config),
     )
 
 
@@ -146,9 +161,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
 
         # With tensor parallelism, rank 0 computes the CPU experts; vLLM's all-reduce of
         # the MoE output adds them for every rank.
+        self.kt = kt
         self.cpu: CPUExperts | None = None
         if self.placement.num_cpu_experts and moe.tp_rank == 0:
             spec = _layer_spec(layer, prefix, self.placement, chunk)
+            if spec.cuda_graph_batch_sizes and not quant_config.backend.supports_cuda_graphs:
+                raise KTConfigError(
+                    f"KT_BACKEND={kt.backend!r} cannot run inside CUDA graphs; allowed: "
+                    "--enforce-eager, or KT_BACKEND=kt_kernel."
+                )
             self.cpu = quant_config.backend(spec, kt)
 
         self._layer = weakref.ref(layer)
@@ -212,7 +233,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         **extra_weight_attrs: Any,
     ) -> None:
         assert num_experts == self.placement.num_gpu_experts, (num_experts, self.placement)
-        extra_weight_attrs["weight_loader"] = self._expert_weight_loader(layer, extra_weight_attrs["weight_loader"])
+        existing = set(layer._parameters)
         with self._native_view(layer):
             self.native.create_weights(
                 layer,
@@ -222,10 +243,16 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 params_dtype=params_dtype,
                 **extra_weight_attrs,
             )
+        # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
+        # e.g. moe_wna16), so expert ids are translated before any of them runs.
+        for name, param in layer.named_parameters(recurse=False):
+            loader = getattr(param, "weight_loader", None)
+            if name not in existing and loader is not None:
+                param.weight_loader = self._expert_weight_loader(layer, loader)
 
-    def _expert_weight_loader(self, layer: RoutedExperts, layer_loader: Callable[..., Any]) -> Callable[..., Any]:
-        """Checkpoint tensors of GPU experts go to the layer under their GPU slot; those of
-        CPU experts go to the CPU backend and never reach the device."""
+    def _expert_weight_loader(self, layer: RoutedExperts, native_loader: Callable[..., Any]) -> Callable[..., Any]:
+        """Checkpoint tensors of GPU experts go to the native loader under their GPU slot;
+        those of CPU experts go to the CPU backend and never reach the device."""
         slots = self.gpu_slot_of.tolist()
         cpu = self.cpu
 
@@ -237,13 +264,18 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             expert_id: int,
             return_success: bool = False,
         ) -> bool | None:
+            if loaded_weight.dim() == 3 and loaded_weight.shape[0] == len(slots):
+                # One tensor for every expert: route each expert's row on its own.
+                for eid, row in enumerate(loaded_weight.unbind()):
+                    weight_loader(param, row, weight_name, shard_id, eid, return_success)
+                return True if return_success else None
             slot = slots[expert_id]
             if slot < 0:
                 if cpu is not None:
                     cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
                 return True if return_success else None
             with self._native_view(layer):
-                return layer_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)
+                return native_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)
 
         weight_loader.supports_moe_loading = True  # type: ignore[attr-defined]
         return weight_loader
@@ -255,7 +287,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self._refuse_monolithic()
         self.gpu_slot_of = self.gpu_slot_of.to(self.moe.device)
         if self.cpu is not None:
-            self.cpu.finalize_weights()
+            self.cpu.finalize_weights(self._deferral())
+
+    def _deferral(self) -> int:
+        """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN, where the next decoder layer is a kt-hybrid
+        layer of this process that will add the deferred experts; else 0 (e.g. on the
+        last MoE layer), so that no expert output is ever dropped."""
+        idx = self.cpu.spec.layer_idx if self.cpu is not None else -1
+        next_is_hybrid = any(m.cpu is not None and m.cpu.spec.layer_idx == idx + 1 for m in _LAYERS.values())
+        return self.kt.max_deferred_experts_per_token if next_is_hybrid else 0
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig | None:
         if not self.placement.num_gpu_experts:

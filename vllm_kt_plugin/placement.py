@@ -58,12 +58,6 @@ class ExpertPlacement:
         slots[self.gpu_mask] = torch.arange(self.num_gpu_experts, dtype=torch.int32)
         return slots
 
-    def slot(self, expert_id: int) -> int:
-        """GPU slot of one expert (for weight loading), -1 if it is a CPU expert."""
-        if not self.gpu_mask[expert_id]:
-            return -1
-        return int(self.gpu_mask[:expert_id].sum())
-
     def describe(self) -> str:
         gpu = self.gpu_experts()
         first_n = gpu == list(range(len(gpu)))

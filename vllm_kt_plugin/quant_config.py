@@ -154,7 +154,8 @@ class KTHybridConfig(QuantizationConfig):
         if isinstance(layer, RoutedExperts):
             from vllm_kt_plugin.moe_method import KTHybridMoEMethod
 
-            return KTHybridMoEMethod(layer, prefix, self)
+            with _logged_config_errors():
+                return KTHybridMoEMethod(layer, prefix, self)
         return self.native_quant_method(layer, prefix)
 
     def native_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:

@@ -22,7 +22,7 @@ class ZeroExperts(CPUExperts):
     def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
         pass
 
-    def finalize_weights(self) -> None:
+    def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         pass
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

@@ -43,13 +43,13 @@ class LayerSpec:
     hidden_size: int
     intermediate_size: int  # per expert, not split by tensor parallelism
     placement: ExpertPlacement
-    act_dtype: torch.dtype
-    is_last_moe_layer: bool
     chunked_prefill_size: int
     model: str  # model name or directory, as given to vLLM
     revision: str | None = None
     download_dir: str | None = None
     load_format: str = "auto"
+    # Batch sizes vLLM captures CUDA graphs for; empty without CUDA graphs.
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
 
 
 class CPUExperts(ABC):
@@ -63,7 +63,8 @@ class CPUExperts(ABC):
     """
 
     name: ClassVar[str]
-    uses_checkpoint_tensors: ClassVar[bool] = False
+    # Whether submit/sync may be captured in a CUDA graph (no host syncs, fixed buffers).
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -90,8 +91,10 @@ class CPUExperts(ABC):
         return
 
     @abstractmethod
-    def finalize_weights(self) -> None:
-        """All checkpoint tensors are in; make the experts ready to run."""
+    def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
+        """All checkpoint tensors are in; make the experts ready to run. A non-zero
+        ``max_deferred_experts_per_token`` allows adding that many CPU experts per token
+        to the next layer's output (only offered when the next layer is a kt-hybrid one)."""
 
     @abstractmethod
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

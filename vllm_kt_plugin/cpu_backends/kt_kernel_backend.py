@@ -21,6 +21,24 @@ logger = logging.getLogger(LOGGER_NAME)
 # safetensors, so KT_WEIGHT_PATH can default to the model directory.
 READS_HF_CHECKPOINT = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "RAWINT4", "MXFP4", "NVFP4", "MXFP8"})
 NEEDS_AMX = frozenset({"AMXINT4", "AMXINT8"})
+# kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
+# loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
+# every GPU weight; we check them at config time.
+KERNEL_FLAGS = {
+    "BF16": ("_HAS_BF16_SUPPORT", "_HAS_AVX2_BF16_SUPPORT"),
+    "FP8": ("_HAS_FP8_SUPPORT", "_HAS_AVX2_FP8_SUPPORT"),
+    "FP8_PERCHANNEL": ("_HAS_FP8_PERCHANNEL_SUPPORT",),
+    "RAWINT4": ("_HAS_RAWINT4_SUPPORT", "_HAS_AVX2_RAWINT4_SUPPORT", "_HAS_AVXVNNI256_RAW_INT4_SUPPORT"),
+    "GPTQ_INT4": (
+        "_HAS_AVX2_GPTQ_INT4_SUPPORT",
+        "_HAS_AVXVNNI256_GPTQ_INT4_SUPPORT",
+        "_HAS_AVXVNNI256_PACKED_GPTQ_INT4_SUPPORT",
+    ),
+    "SYCL_GPTQ_INT4": ("_HAS_SYCL_GPTQ_INT4_SUPPORT",),
+    "MXFP4": ("_HAS_MXFP4_SUPPORT", "_HAS_AVX2_MXFP4_SUPPORT"),
+    "NVFP4": ("_HAS_AVX2_MXFP4_SUPPORT",),
+    "MXFP8": ("_HAS_MXFP8_SUPPORT", "_HAS_AVX2_MXFP8_SUPPORT"),
+}
 
 
 def kt_inference_methods() -> frozenset[str]:
@@ -34,6 +52,18 @@ def cpu_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def kernel_available(method: str) -> bool:
+    """Whether the kt-kernel build this CPU loaded carries a kernel for ``method``."""
+    if method in NEEDS_AMX:
+        return cpu_has_amx()
+    flags = KERNEL_FLAGS.get(method)
+    if flags is None:
+        return True
+    from kt_kernel.utils import amx
+
+    return any(getattr(amx, flag, True) for flag in flags)
+
+
 def local_model_dir(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
     """The directory holding ``model``'s files (a hub id resolves to its local snapshot)."""
     if os.path.isdir(model):
@@ -44,6 +74,10 @@ def local_model_dir(model: str, revision: str | None = None, download_dir: str |
 
 
 def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> None:
+    """kt-kernel's loaders walk the directory for safetensors (GGUF for LLAMAFILE); its
+    AMX and MOE_* formats it checks itself."""
+    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
+        return
     pattern = "*.gguf" if method == "LLAMAFILE" else "*.safetensors"
     if glob.glob(os.path.join(directory, "**", pattern), recursive=True):
         return
@@ -56,39 +90,49 @@ def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> N
     raise error_for("KT_WEIGHT_PATH", directory, f"holds no {pattern} files, which KT_METHOD={method} reads")
 
 
+def _ct_weight_scheme(quant_config: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors: the weight scheme of its (first) config group."""
+    for group in (quant_config.get("config_groups") or {}).values():
+        return group.get("weights") or {}
+    return {}
+
+
 class KTKernelExperts(CPUExperts):
     name: ClassVar[str] = "kt_kernel"
+    supports_cuda_graphs: ClassVar[bool] = True
 
     @classmethod
     def default_method(cls, checkpoint: CheckpointFormat) -> str:
-        quant, bits = checkpoint.quant_method, checkpoint.weight_bits
+        """The kt-kernel method that reads this checkpoint's own expert tensors."""
+        quant, cfg = checkpoint.quant_method, checkpoint.quant_config
         if quant is None:
             return "BF16"
-        if quant == "fp8":
-            return "FP8" if checkpoint.quant_config.get("weight_block_size") else "FP8_PERCHANNEL"
-        if quant in ("gptq", "gptq_marlin", "auto_gptq") and bits == 4:
+        if quant == "fp8" and cfg.get("weight_block_size"):
+            return "FP8"  # block scales (weight_scale_inv), as in DeepSeek-V3
+        symmetric_gptq = cfg.get("sym", True) and not cfg.get("desc_act", False)
+        if quant in ("gptq", "gptq_marlin") and checkpoint.weight_bits == 4 and symmetric_gptq:
             return "GPTQ_INT4"
-        if quant == "compressed-tensors" and bits == 4:
-            return "RAWINT4"
+        if quant == "compressed-tensors":
+            scheme = _ct_weight_scheme(cfg)
+            if scheme.get("num_bits") == 4 and scheme.get("type", "int") == "int":
+                return "RAWINT4"
+            if scheme.get("num_bits") == 8 and scheme.get("type") == "float" and scheme.get("strategy") == "channel":
+                return "FP8_PERCHANNEL"
         raise KTConfigError(
-            f"KT_METHOD is unset and kt-kernel has no default for this {quant!r} "
-            "checkpoint; allowed: set KT_METHOD to a kt-kernel method and KT_WEIGHT_PATH "
-            "to expert weights in that format."
+            f"KT_METHOD is unset and kt-kernel reads no {quant!r} checkpoint of this kind "
+            "directly; allowed: set KT_METHOD to a kt-kernel method and KT_WEIGHT_PATH to expert "
+            "weights in that format (e.g. AMXINT4 weights converted by kt-kernel)."
         )
 
     @classmethod
     def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
-        method = config.method or cls.default_method(checkpoint)
-        methods = kt_inference_methods()
-        if method not in methods:
+        method = config.method
+        assert method is not None, "the quant config resolves the method first"
+        if method not in kt_inference_methods():
             raise error_for("KT_METHOD", method, "not a kt-kernel 0.7.2 inference method")
-        if method in NEEDS_AMX and not cpu_has_amx():
-            raise error_for(
-                "KT_METHOD",
-                method,
-                "this CPU has no AMX (Intel Sapphire Rapids or newer); BF16, FP8, "
-                "RAWINT4 and GPTQ_INT4 run on AVX-512/AVX2",
-            )
+        if not kernel_available(method):
+            hint = "an Intel CPU with AMX (Sapphire Rapids or newer)" if method in NEEDS_AMX else "another method"
+            raise error_for("KT_METHOD", method, f"this CPU / kt-kernel build has no {method} kernel; use {hint}")
         if config.weight_path is not None:
             _check_weight_files(method, config.weight_path, is_model_dir=False)
             return
@@ -98,33 +142,41 @@ class KTKernelExperts(CPUExperts):
                 "weights, which the model directory does not hold; allowed: a directory with "
                 f"{method} weights, or a KT_METHOD in {sorted(READS_HF_CHECKPOINT)}."
             )
-        if method != cls.default_method(checkpoint):
+        try:
+            own = cls.default_method(checkpoint)
+        except KTConfigError:
+            own = None
+        if method != own:
             stored = checkpoint.quant_method or "unquantized"
             raise error_for(
                 "KT_METHOD",
                 method,
                 f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} "
-                f"weights, which {method} cannot; set KT_WEIGHT_PATH to {method} weights or "
-                f"use KT_METHOD={cls.default_method(checkpoint)}",
+                f"weights, which {method} cannot; set KT_WEIGHT_PATH to {method} weights"
+                + (f" or use KT_METHOD={own}" if own else ""),
             )
 
     @classmethod
     def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
-        if config.weight_path is None:
-            _check_weight_files(config.method or "BF16", model_dir, is_model_dir=True)
+        if config.weight_path is None and config.method is not None:
+            _check_weight_files(config.method, model_dir, is_model_dir=True)
 
     def __init__(self, spec: LayerSpec, config: KTEnvConfig) -> None:
         super().__init__(spec, config)
-        self.method = config.method or "BF16"
+        assert config.method is not None
+        self.method = config.method
         self.wrapper: Any = None
         self.physical_to_logical: torch.Tensor | None = None
         self._stream = 0
 
-    def finalize_weights(self) -> None:
+    def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         spec, cfg = self.spec, self.config
         kt_kernel = prepare_kt_kernel()
+        if spec.cuda_graph_batch_sizes:
+            # Graph replays reuse the addresses captured for each batch size: kt-kernel
+            # keeps one set of pinned/device buffers per listed size (else it reallocates).
+            kt_kernel.KTMoEWrapper.set_capture_batch_sizes(list(spec.cuda_graph_batch_sizes))
         weight_path = cfg.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
-        deferred = 0 if spec.is_last_moe_layer else cfg.max_deferred_experts_per_token
         start = time.perf_counter()
         self.wrapper = kt_kernel.KTMoEWrapper(
             layer_idx=spec.layer_idx,
@@ -137,7 +189,7 @@ class KTKernelExperts(CPUExperts):
             threadpool_count=cfg.threadpool_count,
             weight_path=weight_path,
             chunked_prefill_size=spec.chunked_prefill_size,
-            max_deferred_experts_per_token=deferred,
+            max_deferred_experts_per_token=max_deferred_experts_per_token,
             method=self.method,
         )
         # kt-kernel keeps this tensor's address and reads it on every forward: it must

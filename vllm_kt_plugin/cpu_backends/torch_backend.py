@@ -21,7 +21,6 @@ SHARDS = ("w1", "w3", "w2")  # gate, up, down
 
 class TorchExperts(CPUExperts):
     name: ClassVar[str] = "torch"
-    uses_checkpoint_tensors: ClassVar[bool] = True
 
     @classmethod
     def default_method(cls, checkpoint: CheckpointFormat) -> str:
@@ -72,7 +71,7 @@ class TorchExperts(CPUExperts):
             else torch.empty(0, *shape)
         )
 
-    def finalize_weights(self) -> None:
+    def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         h, i = self.spec.hidden_size, self.spec.intermediate_size
         self.gate = self._stack("w1", (i, h))
         self.up = self._stack("w3", (i, h))
