@@ -29,9 +29,19 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def generate(model: Path, prompts: list[str], *, kt: dict[str, str] | None, max_tokens: int = 24, **env: str) -> list:
-    """Greedy completions from a fresh engine; ``kt=None`` runs plain vLLM (no plugin)."""
+def generate(
+    model: Path,
+    prompts: list[str],
+    *,
+    kt: dict[str, str] | None,
+    max_tokens: int = 24,
+    llm: dict | None = None,
+    **env: str,
+) -> list:
+    """Greedy completions from a fresh engine; ``kt=None`` runs plain vLLM (no plugin).
+    ``llm``: extra keyword arguments for vllm.LLM (e.g. enforce_eager)."""
     llm_args = {"quantization": "kt-hybrid"} if kt is not None else {}
+    llm_args.update(llm or {})
     args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_runner.py"), json.dumps(args)],

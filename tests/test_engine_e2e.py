@@ -72,3 +72,30 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
     )
     differing = [g != e for g, e in zip(token_ids(got), token_ids(plain(model)), strict=True)]
     assert sum(differing) >= 2, differing
+
+
+def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path: Path) -> None:
+    """AMXINT8 without KT_WEIGHT_PATH: quantized while vLLM loads the checkpoint, cached,
+    and loaded from the cache on the next start (same tokens). INT8 is approximate, so
+    against plain vLLM: at most one of the five completions may differ, and the top
+    logprobs stay within 0.1 nats while the tokens agree (measured: see the README)."""
+    model = tiny_model("qwen3_moe")
+    kt = {"KT_METHOD": "AMXINT8", "KT_NUM_GPU_EXPERTS": "1", "KT_CACHE_DIR": str(tmp_path)}
+    first = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
+    markers = sorted(tmp_path.rglob("vllm-kt.json"))
+    assert len(markers) == 3, markers  # one per MoE layer of the tiny model
+    stamps = [m.stat().st_mtime_ns for m in markers]
+    second = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
+    assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
+    assert token_ids(first) == token_ids(second)
+    expected = plain(model)
+    assert sum(a != b for a, b in zip(token_ids(first), token_ids(expected), strict=True)) <= 1
+    for got, want in zip(first, expected, strict=True):
+        for step, (a, b) in enumerate(zip(got["ids"], want["ids"], strict=True)):
+            if a != b:
+                break
+            assert abs(got["top2"][step][0] - want["top2"][step][0]) <= 0.1, (
+                step,
+                got["top2"][step],
+                want["top2"][step],
+            )

@@ -40,12 +40,13 @@ def assert_one_line_error(exc: pytest.ExceptionInfo, variable: str, value: str) 
 
 @pytest.fixture
 def no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ktb, "cpu_has_amx", lambda: False)
+    """A kt-kernel build without AMXINT4/AMXINT8 kernels (a CPU without AVX-512)."""
+    monkeypatch.setattr(ktb, "kernel_available", lambda method: method not in ktb.QUANTIZES_ONLINE)
 
 
 @pytest.fixture
 def with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ktb, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(ktb, "kernel_available", lambda method: True)
 
 
 @pytest.fixture
@@ -107,13 +108,30 @@ def test_amx_method_on_cpu_without_amx(no_amx: None, weights_dir: Path) -> None:
     with pytest.raises(KTConfigError) as exc:
         build({"KT_METHOD": "AMXINT4", "KT_WEIGHT_PATH": str(weights_dir)})
     assert_one_line_error(exc, "KT_METHOD", "AMXINT4")
-    assert "no AMX" in str(exc.value)
+    assert "no AMXINT4 kernel" in str(exc.value)
 
 
-def test_amx_method_needs_a_weight_path(with_amx: None) -> None:
+def test_amx_method_without_weight_path_quantizes_online(with_amx: None, tmp_path: Path) -> None:
+    cache = tmp_path / "new" / "cache"
+    kt, _ = build({"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(cache)})
+    assert (kt.method, kt.weight_path, kt.cache_dir) == ("AMXINT8", None, str(cache.resolve()))
+    assert cache.is_dir()
+
+
+def test_online_quantization_needs_an_unquantized_checkpoint(with_amx: None, tmp_path: Path) -> None:
     with pytest.raises(KTConfigError) as exc:
-        build({"KT_METHOD": "AMXINT8"})
-    assert "KT_WEIGHT_PATH" in str(exc.value) and "AMXINT8" in str(exc.value) and "allowed" in str(exc.value)
+        build({"KT_METHOD": "AMXINT4", "KT_CACHE_DIR": str(tmp_path)}, FP8_BLOCK)
+    assert_one_line_error(exc, "KT_METHOD", "AMXINT4")
+    assert "fp8" in str(exc.value) and "KT_WEIGHT_PATH" in str(exc.value)
+
+
+def test_cache_dir_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_CACHE_DIR": str(blocker / "cache")})
+    assert_one_line_error(exc, "KT_CACHE_DIR", str(blocker / "cache"))
+    assert "cannot create" in str(exc.value)
 
 
 def test_amx_method_accepted_where_amx_exists(with_amx: None, weights_dir: Path) -> None:

@@ -185,3 +185,72 @@ def test_placement_masks() -> None:
     assert q.describe() == "2 GPU experts [2, 7], 6 CPU experts"
     with pytest.raises(ValueError):
         ExpertPlacement.first_n(8, 9)
+
+
+# AMXINT8 quantization error on these random experts: ~2 % of the output norm (FACTS:
+# 0.027 at the Qwen3 shape); 6 % bounds it with room, and catches missing experts (100 %).
+AMXINT8_REL_ERR = 0.06
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def run_cpu(cpu, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    cpu.submit(x, ids, weights)
+    return cpu.sync(x).clone()
+
+
+def online_config(cache: Path, num_gpu: int) -> KTHybridConfig:
+    return kt_config(kt_method="AMXINT8", kt_cache_dir=str(cache), kt_num_gpu_experts=str(num_gpu), kt_cpuinfer="1")
+
+
+def test_online_amx_weights_are_quantized_once_and_cached(vllm_layer_context, tmp_path: Path) -> None:
+    """AMXINT8 without KT_WEIGHT_PATH: the layer is quantized from the tensors vLLM loads
+    (GPU experts' too), cached, and a later start with another placement loads the cache."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel_backend import KTKernelExperts
+
+    cache = tmp_path / "cache"
+    runner = build_moe(online_config(cache, num_gpu=3))
+    layer = runner.routed_experts
+    method = layer.quant_method
+    experts = random_experts(E, seed=41)
+    load(runner, experts)
+    folder = method.cpu.cache
+    idx = method.cpu.spec.layer_idx
+    assert folder is not None and folder.is_relative_to(cache)
+    assert (folder / f"_layer_{idx}" / "vllm-kt.json").is_file()
+    assert not method.cpu.wants_all_experts
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=43)
+    assert rel_err(method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts)) < (
+        AMXINT8_REL_ERR
+    )
+
+    # Next start, every expert on the CPU: nothing is handed over, all 8 come from the cache.
+    spec = method.cpu.spec
+    everything_on_cpu = ExpertPlacement.first_n(E, 0)
+    again = KTKernelExperts(type(spec)(**{**spec.__dict__, "placement": everything_on_cpu}), method.kt)
+    assert again.cache == folder and not again.wants_all_experts
+    marker_time = (folder / f"_layer_{idx}" / "vllm-kt.json").stat().st_mtime_ns
+    again.finalize_weights(0)
+    assert (folder / f"_layer_{idx}" / "vllm-kt.json").stat().st_mtime_ns == marker_time
+    assert rel_err(run_cpu(again, x, ids, weights), reference_moe(x, ids, weights, experts)) < AMXINT8_REL_ERR
+
+
+def test_online_amx_weights_under_dummy_load_format(vllm_layer_context, tmp_path: Path) -> None:
+    """load_format=dummy hands over no tensors: the CPU experts get random weights in
+    vLLM's dummy range, cached apart from real weights; a real load missing them fails."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel_backend import KTKernelExperts
+
+    method = build_moe(online_config(tmp_path, num_gpu=2)).routed_experts.quant_method
+    spec = type(method.cpu.spec)(**{**method.cpu.spec.__dict__, "load_format": "dummy"})
+    dummy = KTKernelExperts(spec, method.kt)
+    assert dummy.cache != method.cpu.cache and dummy.wants_all_experts
+    dummy.finalize_weights(0)
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(44)).to(torch.bfloat16)
+    ids, weights = random_routing(4, E, K, seed=45)
+    out = run_cpu(dummy, x, ids, weights)
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+    with pytest.raises(RuntimeError, match="lacked 24 of the 24 expert"):
+        method.cpu.finalize_weights(0)

@@ -164,6 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny trained MoE checkpoint (no download)")
     tiny.add_argument("arch", choices=["qwen3_moe", "mixtral", "deepseek_v3"])
     tiny.add_argument("out", type=Path)
+    sub.add_parser(
+        "bench",
+        help="kt-hybrid vs plain vLLM vs --cpu-offload-gb on one GPU (see `vllm-kt bench --help`)",
+        add_help=False,
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser, shared with `python -m vllm_kt_plugin.benchmark`
+        from vllm_kt_plugin.benchmark import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "demo":

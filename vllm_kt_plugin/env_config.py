@@ -12,7 +12,7 @@ import glob
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # Under vLLM's logger tree, so messages appear (and are filtered) like vLLM's own.
@@ -77,6 +77,12 @@ VARIABLES: tuple[Variable, ...] = (
         "where kt-kernel reads the CPU experts",
     ),
     Variable(
+        "KT_CACHE_DIR",
+        "$XDG_CACHE_HOME/vllm-kt-plugin/kt-weights (~/.cache/... without XDG_CACHE_HOME)",
+        "a directory that exists or can be created, and is writable",
+        "where AMXINT4/AMXINT8 CPU experts quantized online are kept (one folder per model, method, pools)",
+    ),
+    Variable(
         "KT_NUM_GPU_EXPERTS",
         "0",
         "an integer from 0 to the number of routed experts per layer",
@@ -116,6 +122,28 @@ def error_for(name: str, value: object, reason: str = "") -> KTConfigError:
     allowed = _BY_NAME[name].allowed
     why = f" ({reason})" if reason else ""
     return KTConfigError(f"{name}={value!r} is invalid{why}; allowed: {allowed}.")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vllm-kt-plugin" / "kt-weights"
+
+
+def check_cache_dir(path: str, *, from_env: bool = True) -> str:
+    """Create the cache directory now: one that cannot be written would otherwise fail
+    only after vLLM has loaded every GPU weight and quantized the first layer."""
+    where = Path(path).expanduser()
+    name = "KT_CACHE_DIR" if from_env else "KT_CACHE_DIR (unset, default)"
+    allowed = _BY_NAME["KT_CACHE_DIR"].allowed
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KTConfigError(
+            f"{name}={path!r} is invalid (cannot create it: {exc.strerror}); allowed: {allowed}."
+        ) from None
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise KTConfigError(f"{name}={path!r} is invalid (not a writable directory); allowed: {allowed}.")
+    return str(where.resolve())
 
 
 def usable_cores() -> int:
@@ -182,6 +210,7 @@ class KTEnvConfig:
     threadpool_count: int = 1
     chunked_prefill_size: int | None = None
     max_deferred_experts_per_token: int = 0
+    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
 
     @classmethod
     def from_env(
@@ -236,6 +265,7 @@ class KTEnvConfig:
             )
         chunk = _int(env, "KT_CHUNKED_PREFILL_SIZE", 1)
         deferred = _int(env, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", 0) or 0
+        cache_dir = _str(env, "KT_CACHE_DIR")
 
         return cls(
             backend=backend,
@@ -246,6 +276,7 @@ class KTEnvConfig:
             threadpool_count=pools,
             chunked_prefill_size=chunk,
             max_deferred_experts_per_token=deferred,
+            cache_dir=check_cache_dir(cache_dir) if cache_dir else str(default_cache_dir()),
         )
 
     def with_method(self, method: str) -> KTEnvConfig:

@@ -270,9 +270,9 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                     weight_loader(param, row, weight_name, shard_id, eid, return_success)
                 return True if return_success else None
             slot = slots[expert_id]
+            if cpu is not None and (slot < 0 or cpu.wants_all_experts):
+                cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
             if slot < 0:
-                if cpu is not None:
-                    cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
                 return True if return_success else None
             with self._native_view(layer):
                 return native_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)

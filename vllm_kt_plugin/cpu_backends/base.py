@@ -85,9 +85,16 @@ class CPUExperts(ABC):
         self.spec = spec
         self.config = config
 
+    @property
+    def wants_all_experts(self) -> bool:
+        """Whether ``load_checkpoint_tensor`` should also receive the GPU experts' tensors
+        (e.g. to quantize and cache the whole layer, which then serves any placement)."""
+        return False
+
     def load_checkpoint_tensor(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
-        """A checkpoint tensor of a CPU expert (shard w1 = gate, w3 = up, w2 = down).
-        Backends that read their own weight files ignore it (the default)."""
+        """A checkpoint tensor of a CPU expert (shard w1 = gate, w3 = up, w2 = down), or of
+        any expert when ``wants_all_experts``. Backends that read their own weight files
+        ignore it (the default)."""
         return
 
     @abstractmethod

@@ -6,12 +6,20 @@ import glob
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
-from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig, error_for
+from vllm_kt_plugin.cpu_backends.kt_weight_cache import (
+    PROGRESS,
+    ExpertTensors,
+    cache_folder,
+    layer_is_cached,
+    quantize_into_cache,
+)
+from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig, check_cache_dir, error_for
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.kt_compat import prepare_kt_kernel
 
@@ -20,11 +28,15 @@ logger = logging.getLogger(LOGGER_NAME)
 # Methods whose weights kt-kernel reads straight from a Hugging Face checkpoint's
 # safetensors, so KT_WEIGHT_PATH can default to the model directory.
 READS_HF_CHECKPOINT = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "RAWINT4", "MXFP4", "NVFP4", "MXFP8"})
-NEEDS_AMX = frozenset({"AMXINT4", "AMXINT8"})
+# Methods kt-kernel quantizes online from BF16 tensors (load_weights_from_tensors); it
+# runs them with AMX tiles where the CPU has them, else with AVX-512.
+QUANTIZES_ONLINE = frozenset({"AMXINT4", "AMXINT8"})
 # kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
 # loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
 # every GPU weight; we check them at config time.
 KERNEL_FLAGS = {
+    "AMXINT4": ("_HAS_AMXINT4_SUPPORT",),
+    "AMXINT8": ("_HAS_AMXINT8_SUPPORT",),
     "BF16": ("_HAS_BF16_SUPPORT", "_HAS_AVX2_BF16_SUPPORT"),
     "FP8": ("_HAS_FP8_SUPPORT", "_HAS_AVX2_FP8_SUPPORT"),
     "FP8_PERCHANNEL": ("_HAS_FP8_PERCHANNEL_SUPPORT",),
@@ -48,14 +60,8 @@ def kt_inference_methods() -> frozenset[str]:
     return frozenset(INFERENCE_METHODS)
 
 
-def cpu_has_amx() -> bool:
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
 def kernel_available(method: str) -> bool:
     """Whether the kt-kernel build this CPU loaded carries a kernel for ``method``."""
-    if method in NEEDS_AMX:
-        return cpu_has_amx()
     flags = KERNEL_FLAGS.get(method)
     if flags is None:
         return True
@@ -131,10 +137,13 @@ class KTKernelExperts(CPUExperts):
         if method not in kt_inference_methods():
             raise error_for("KT_METHOD", method, "not a kt-kernel 0.7.2 inference method")
         if not kernel_available(method):
-            hint = "an Intel CPU with AMX (Sapphire Rapids or newer)" if method in NEEDS_AMX else "another method"
+            hint = "a CPU with AVX-512 (AMX is fastest)" if method in QUANTIZES_ONLINE else "another method"
             raise error_for("KT_METHOD", method, f"this CPU / kt-kernel build has no {method} kernel; use {hint}")
         if config.weight_path is not None:
             _check_weight_files(method, config.weight_path, is_model_dir=False)
+            return
+        if method in QUANTIZES_ONLINE:
+            cls._validate_online(config, checkpoint)
             return
         if method not in READS_HF_CHECKPOINT:
             raise KTConfigError(
@@ -157,6 +166,20 @@ class KTKernelExperts(CPUExperts):
             )
 
     @classmethod
+    def _validate_online(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
+        """AMXINT4/AMXINT8 without KT_WEIGHT_PATH: quantized from the BF16/FP16 tensors vLLM
+        loads, so the checkpoint must hold them unquantized; the cache must be writable."""
+        if checkpoint.quant_method is not None:
+            raise error_for(
+                "KT_METHOD",
+                config.method,
+                f"KT_WEIGHT_PATH is unset, so the CPU experts would be quantized online from the "
+                f"checkpoint's tensors, which are {checkpoint.quant_method}, not BF16/FP16; set "
+                f"KT_WEIGHT_PATH to converted {config.method} weights",
+            )
+        check_cache_dir(config.cache_dir, from_env="KT_CACHE_DIR" in os.environ)
+
+    @classmethod
     def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
         if config.weight_path is None and config.method is not None:
             _check_weight_files(config.method, model_dir, is_model_dir=True)
@@ -168,6 +191,78 @@ class KTKernelExperts(CPUExperts):
         self.wrapper: Any = None
         self.physical_to_logical: torch.Tensor | None = None
         self._stream = 0
+        # Online quantization: the layer's tensors are collected, quantized into the cache
+        # once complete, and loaded from there; a cached layer skips the first two steps.
+        self.cache: Path | None = None
+        self._collected: ExpertTensors | None = None
+        if config.weight_path is None and self.method in QUANTIZES_ONLINE:
+            self.cache = cache_folder(
+                config.cache_dir,
+                model=spec.model,
+                revision=spec.revision,
+                load_format=spec.load_format,
+                method=self.method,
+                pools=config.threadpool_count,
+                shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
+            )
+        PROGRESS.expect_layer(quantize=self.wants_all_experts)
+
+    @property
+    def wants_all_experts(self) -> bool:
+        return self.cache is not None and not layer_is_cached(self.cache, self.spec.layer_idx)
+
+    def _wrapper_args(self, max_deferred_experts_per_token: int = 0) -> dict[str, Any]:
+        spec, cfg = self.spec, self.config
+        return {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.top_k,
+            "hidden_size": spec.hidden_size,
+            "moe_intermediate_size": spec.intermediate_size,
+            "gpu_experts_mask": spec.placement.gpu_mask,
+            "cpuinfer_threads": cfg.cpuinfer_threads,
+            "threadpool_count": cfg.threadpool_count,
+            "chunked_prefill_size": spec.chunked_prefill_size,
+            "max_deferred_experts_per_token": max_deferred_experts_per_token,
+            "method": self.method,
+        }
+
+    def load_checkpoint_tensor(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
+        if not self.wants_all_experts:
+            return  # kt-kernel reads its own files
+        spec = self.spec
+        if self._collected is None:
+            self._collected = ExpertTensors(spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        self._collected.put(expert_id, shard_id, tensor)
+        if self._collected.complete:
+            self._quantize()
+
+    def _quantize(self) -> None:
+        assert self.cache is not None and self._collected is not None
+        kt_kernel = prepare_kt_kernel()
+        start = time.perf_counter()
+        quantize_into_cache(kt_kernel, self.cache, self.spec.layer_idx, self._collected, **self._wrapper_args())
+        self._collected = None  # frees the layer's BF16 copy
+        PROGRESS.layer_quantized(
+            self.spec.layer_name,
+            f"quantized {self.spec.num_experts} experts to {self.method} into {self.cache}",
+            time.perf_counter() - start,
+        )
+
+    def _complete_online_weights(self) -> None:
+        """Before loading: quantize a layer vLLM did not hand over in full (random weights
+        under load_format=dummy, which loads no checkpoint)."""
+        if not self.wants_all_experts:
+            return
+        spec = self.spec
+        collected = self._collected or ExpertTensors(spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        if spec.load_format != "dummy":
+            raise RuntimeError(
+                f"kt-hybrid: {spec.layer_name}: the checkpoint lacked {collected.missing()} of the "
+                f"{3 * spec.num_experts} expert gate/up/down tensors needed to quantize the layer to {self.method}"
+            )
+        collected.fill_dummy(spec.layer_idx)
+        self._collected = collected
+        self._quantize()
 
     def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         spec, cfg = self.spec, self.config
@@ -176,33 +271,23 @@ class KTKernelExperts(CPUExperts):
             # Graph replays reuse the addresses captured for each batch size: kt-kernel
             # keeps one set of pinned/device buffers per listed size (else it reallocates).
             kt_kernel.KTMoEWrapper.set_capture_batch_sizes(list(spec.cuda_graph_batch_sizes))
-        weight_path = cfg.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
+        self._complete_online_weights()
+        if self.cache is not None:
+            weight_path = str(self.cache)
+        else:
+            weight_path = cfg.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
         start = time.perf_counter()
         self.wrapper = kt_kernel.KTMoEWrapper(
-            layer_idx=spec.layer_idx,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.top_k,
-            hidden_size=spec.hidden_size,
-            moe_intermediate_size=spec.intermediate_size,
-            gpu_experts_mask=spec.placement.gpu_mask,
-            cpuinfer_threads=cfg.cpuinfer_threads,
-            threadpool_count=cfg.threadpool_count,
-            weight_path=weight_path,
-            chunked_prefill_size=spec.chunked_prefill_size,
-            max_deferred_experts_per_token=max_deferred_experts_per_token,
-            method=self.method,
+            layer_idx=spec.layer_idx, weight_path=weight_path, **self._wrapper_args(max_deferred_experts_per_token)
         )
         # kt-kernel keeps this tensor's address and reads it on every forward: it must
         # live as long as the layer (a temporary here gave nondeterministic outputs).
         self.physical_to_logical = torch.arange(spec.num_experts, dtype=torch.long)
         self.wrapper.load_weights(self.physical_to_logical)
-        logger.info(
-            "kt-hybrid: %s: loaded %d CPU experts (kt-kernel %s, %s kernels) from %s in %.2f s",
+        PROGRESS.layer_ready(
             spec.layer_name,
-            spec.placement.num_cpu_experts,
-            self.method,
-            kt_kernel.__cpu_variant__,
-            weight_path,
+            f"loaded {spec.placement.num_cpu_experts} CPU experts ({self.method}, kt-kernel "
+            f"{kt_kernel.__cpu_variant__} kernels, {cfg.cpuinfer_threads} threads) from {weight_path}",
             time.perf_counter() - start,
         )
 
