@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# KT_EXPERT_PLACEMENT values: which experts of each layer go to the GPU.
+PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
+
 
 @dataclass(frozen=True)
 class ExpertPlacement:
