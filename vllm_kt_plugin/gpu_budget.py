@@ -70,6 +70,16 @@ def fit_gpu_experts(
     return GPUExpertBudget(count, explanation)
 
 
+def measured_device_total_bytes() -> int | None:
+    """Total memory of this process's current CUDA device; None without CUDA (vLLM's CPU
+    platform). Call it in the worker, where vLLM has already initialized CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
 def _gb(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
