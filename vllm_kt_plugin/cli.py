@@ -164,8 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny trained MoE checkpoint (no download)")
     tiny.add_argument("arch", choices=["qwen3_moe", "mixtral", "deepseek_v3"])
     tiny.add_argument("out", type=Path)
+    doctor = sub.add_parser("doctor", help="check this machine and the KT_* settings (OK / WARN / ERROR per check)")
+    doctor.add_argument("--model", help="model directory; its config.json sizes the CPU experts for the RAM check")
     args = parser.parse_args(argv)
 
+    if args.command == "doctor":
+        from vllm_kt_plugin.doctor import doctor as run_doctor
+
+        return run_doctor(args.model)
     if args.command == "demo":
         return run_demo(args.workdir, args.question, args.gpu_experts, args.arch)
     from vllm_kt_plugin.tiny_models import write_tiny_model
