@@ -174,8 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_kt_plugin.benchmark import main as bench_main
 
         return bench_main(argv[1:])
+    doctor = sub.add_parser("doctor", help="check this machine and the KT_* settings (OK / WARN / ERROR per check)")
+    doctor.add_argument("--model", help="model directory; its config.json sizes the CPU experts for the RAM check")
     args = parser.parse_args(argv)
 
+    if args.command == "doctor":
+        from vllm_kt_plugin.doctor import doctor as run_doctor
+
+        return run_doctor(args.model)
     if args.command == "demo":
         return run_demo(args.workdir, args.question, args.gpu_experts, args.arch)
     from vllm_kt_plugin.tiny_models import write_tiny_model

@@ -85,8 +85,50 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "KT_NUM_GPU_EXPERTS",
         "0",
-        "an integer from 0 to the number of routed experts per layer",
-        "experts per MoE layer kept on the GPU (the first N)",
+        "an integer from 0 to the number of routed experts per layer, or auto (as many as fit the GPU)",
+        "experts per MoE layer kept on the GPU (which ones: KT_EXPERT_PLACEMENT)",
+    ),
+    Variable(
+        "KT_GPU_EXPERTS_RATIO",
+        "unset",
+        "a number from 0 to 1, not together with KT_NUM_GPU_EXPERTS",
+        "fraction of each layer's routed experts kept on the GPU (rounded)",
+    ),
+    Variable(
+        "KT_KV_CACHE_RESERVE_GB",
+        "20% of the memory vLLM is granted, at least 2",
+        "a number >= 0 (GB = 2**30 bytes)",
+        "GPU memory KT_NUM_GPU_EXPERTS=auto leaves for the KV cache, activations and CUDA graphs",
+    ),
+    Variable(
+        "KT_GPU_MEMORY_GB",
+        "measured by vLLM's platform (NVML); unset without a CUDA GPU",
+        "a number > 0 (GB = 2**30 bytes, e.g. 80 for an 80 GB A100/H100)",
+        "GPU size used by KT_NUM_GPU_EXPERTS=auto and by a KT_CONFIG preset's table",
+    ),
+    Variable(
+        "KT_EXPERT_PLACEMENT",
+        "uniform",
+        "uniform, front-loading, random, frequency (frequency needs KT_EXPERT_PROFILE)",
+        "which experts of each layer go to the GPU",
+    ),
+    Variable(
+        "KT_EXPERT_PROFILE",
+        "unset",
+        'an existing JSON routing profile {"model", "num_experts", "layers": {"<layer>": [count per expert]}}',
+        "expert activation counts for KT_EXPERT_PLACEMENT=frequency",
+    ),
+    Variable(
+        "KT_EXPERT_PLACEMENT_SEED",
+        "0",
+        "an integer >= 0",
+        "seed of KT_EXPERT_PLACEMENT=random",
+    ),
+    Variable(
+        "KT_CONFIG",
+        "unset",
+        "a preset name from configs/ (e.g. deepseek-v3, qwen3-30b-a3b) or the path of a preset YAML file",
+        "preset settings for a model; KT_* variables override them",
     ),
     Variable(
         "KT_CPUINFER",
@@ -178,6 +220,21 @@ def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     return value
 
 
+def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float | None = None) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise error_for(name, raw, "not a number") from None
+    if not value >= minimum or (maximum is not None and value > maximum):  # `not >=` also catches nan
+        raise error_for(
+            name, raw, f"must be in [{minimum:g}, {maximum:g}]" if maximum is not None else f"must be >= {minimum:g}"
+        )
+    return value
+
+
 def _str(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -211,6 +268,14 @@ class KTEnvConfig:
     chunked_prefill_size: int | None = None
     max_deferred_experts_per_token: int = 0
     cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
+    gpu_experts_auto: bool = False  # KT_NUM_GPU_EXPERTS=auto; num_gpu_experts is then 0 until resolved
+    gpu_experts_ratio: float | None = None
+    kv_cache_reserve_gb: float | None = None
+    gpu_memory_gb: float | None = None
+    expert_placement: str = "uniform"
+    expert_profile: str | None = None
+    expert_placement_seed: int = 0
+    preset: str | None = None  # the KT_CONFIG preset file applied, for the log
 
     @classmethod
     def from_env(
@@ -225,6 +290,11 @@ class KTEnvConfig:
         cores = usable_cores() if cores is None else cores
         numa_nodes = numa_node_count() if numa_nodes is None else numa_nodes
         warn_unknown_variables(env)
+        preset = None
+        if _str(env, "KT_CONFIG") is not None:
+            from vllm_kt_plugin.presets import apply_preset
+
+            env, preset = apply_preset(env, cores=cores, numa_nodes=numa_nodes)
 
         backend = _str(env, "KT_BACKEND") or DEFAULT_BACKEND
         method = _str(env, "KT_METHOD")
@@ -240,7 +310,14 @@ class KTEnvConfig:
                 raise error_for("KT_WEIGHT_PATH", weight_path, "not a directory")
             weight_path = str(path.resolve())
 
-        num_gpu = _int(env, "KT_NUM_GPU_EXPERTS", 0)
+        gpu_auto = (_str(env, "KT_NUM_GPU_EXPERTS") or "").lower() == "auto"
+        num_gpu = None if gpu_auto else _int(env, "KT_NUM_GPU_EXPERTS", 0)
+        ratio = _float(env, "KT_GPU_EXPERTS_RATIO", 0.0, 1.0)
+        if ratio is not None and _str(env, "KT_NUM_GPU_EXPERTS") is not None:
+            raise error_for(
+                "KT_GPU_EXPERTS_RATIO", env["KT_GPU_EXPERTS_RATIO"], "KT_NUM_GPU_EXPERTS is set too; set only one"
+            )
+        placement, profile = _placement(env)
         threads = _int(env, "KT_CPUINFER", 1)
         if threads is None:
             threads = default_cpuinfer_threads(cores)
@@ -277,6 +354,14 @@ class KTEnvConfig:
             chunked_prefill_size=chunk,
             max_deferred_experts_per_token=deferred,
             cache_dir=check_cache_dir(cache_dir) if cache_dir else str(default_cache_dir()),
+            gpu_experts_auto=gpu_auto,
+            gpu_experts_ratio=ratio,
+            kv_cache_reserve_gb=_float(env, "KT_KV_CACHE_RESERVE_GB", 0.0),
+            gpu_memory_gb=parse_positive_float(env, "KT_GPU_MEMORY_GB"),
+            expert_placement=placement,
+            expert_profile=profile,
+            expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
+            preset=preset,
         )
 
     def with_method(self, method: str) -> KTEnvConfig:
@@ -317,8 +402,36 @@ class KTEnvConfig:
         return self.chunked_prefill_size
 
     def describe(self) -> str:
+        gpu = "auto" if self.gpu_experts_auto else self.num_gpu_experts
+        if self.gpu_experts_ratio is not None:
+            gpu = f"ratio {self.gpu_experts_ratio:g}"
         return (
-            f"backend={self.backend} method={self.method} gpu_experts={self.num_gpu_experts} "
+            f"backend={self.backend} method={self.method} gpu_experts={gpu} "
+            f"placement={self.expert_placement} "
             f"threads={self.cpuinfer_threads} pools={self.threadpool_count} "
-            f"weight_path={self.weight_path or '<model dir>'}"
+            f"weight_path={self.weight_path or '<model dir>'}" + (f" preset={self.preset}" if self.preset else "")
         )
+
+
+def parse_positive_float(env: Mapping[str, str], name: str) -> float | None:
+    value = _float(env, name, 0.0)
+    if value == 0.0:
+        raise error_for(name, env[name], "must be > 0")
+    return value
+
+
+def _placement(env: Mapping[str, str]) -> tuple[str, str | None]:
+    """KT_EXPERT_PLACEMENT and its routing profile, the profile read and checked now."""
+    from vllm_kt_plugin.placement import PLACEMENT_STRATEGIES
+    from vllm_kt_plugin.routing_profile import load_routing_profile
+
+    placement = (_str(env, "KT_EXPERT_PLACEMENT") or "uniform").lower()
+    if placement not in PLACEMENT_STRATEGIES:
+        raise error_for("KT_EXPERT_PLACEMENT", env["KT_EXPERT_PLACEMENT"], "unknown strategy")
+    profile = _str(env, "KT_EXPERT_PROFILE")
+    if placement == "frequency" and profile is None:
+        raise error_for("KT_EXPERT_PLACEMENT", placement, "KT_EXPERT_PROFILE is unset")
+    if profile is not None:
+        profile = str(Path(profile).expanduser().resolve())
+        load_routing_profile(profile)
+    return placement, profile

@@ -2,14 +2,26 @@
 
 The native (GPU) method sees only its own experts, numbered 0..n_gpu-1 ("slots");
 ``gpu_slot_of`` maps the model's expert ids to those slots, -1 for CPU experts. Any
-subset of experts is representable; the default is the first ``KT_NUM_GPU_EXPERTS``.
+subset of experts is representable; ``KT_EXPERT_PLACEMENT`` picks it per layer
+(``plan_placements``): the first N (uniform, the default), more in earlier layers
+(front-loading), a seeded random N, or the N most-picked in a routing profile (frequency).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from vllm_kt_plugin.routing_profile import RoutingProfile, load_routing_profile
+
+if TYPE_CHECKING:
+    from vllm_kt_plugin.env_config import KTEnvConfig
+
+# KT_EXPERT_PLACEMENT values: which experts of each layer go to the GPU.
+PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
 
 
 @dataclass(frozen=True)
@@ -79,3 +91,106 @@ def route_to_gpu_slots(
     on_cpu = slots < 0
     weights = topk_weights.masked_fill(on_cpu, 0.0)
     return slots.clamp_min(0).to(topk_ids.dtype), weights
+
+
+# --- KT_EXPERT_PLACEMENT strategies ---------------------------------------------------
+
+
+def front_loading_counts(num_layers: int, num_experts: int, num_gpu_experts: int) -> list[int]:
+    """GPU experts per layer, decreasing linearly from the first MoE layer to the last,
+    with the same total as ``num_gpu_experts`` in every layer (same GPU memory)."""
+    total = num_layers * num_gpu_experts
+    weights = [num_layers - i for i in range(num_layers)]
+    ideal = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in ideal]
+    # Largest remainder first: ideals decrease, so the counts stay non-increasing.
+    by_remainder = sorted(range(num_layers), key=lambda i: (counts[i] - ideal[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    overflow = sum(max(0, c - num_experts) for c in counts)
+    counts = [min(c, num_experts) for c in counts]
+    for i in range(num_layers):  # what the front layers cannot hold goes to the next ones
+        moved = min(overflow, num_experts - counts[i])
+        counts[i] += moved
+        overflow -= moved
+    return counts
+
+
+def random_gpu_experts(num_experts: int, count: int, seed: int, layer_idx: int) -> list[int]:
+    """A random ``count`` experts, the same on every rank for the same seed and layer."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + layer_idx)
+    return sorted(torch.randperm(num_experts, generator=generator)[:count].tolist())
+
+
+def most_used_experts(counts: Sequence[int], count: int) -> list[int]:
+    """The ``count`` most-picked experts (ties: lower id first)."""
+    ranked = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
+    return sorted(ranked[:count])
+
+
+def plan_placements(
+    strategy: str,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    num_gpu_experts: int,
+    *,
+    seed: int = 0,
+    profile: RoutingProfile | None = None,
+) -> dict[int, ExpertPlacement]:
+    """The placement of every MoE layer (decoder layer index -> placement)."""
+    if not 0 <= num_gpu_experts <= num_experts:
+        raise ValueError(f"num_gpu_experts={num_gpu_experts} not in [0, {num_experts}]")
+    if strategy == "uniform":
+        return {i: ExpertPlacement.first_n(num_experts, num_gpu_experts) for i in moe_layers}
+    if strategy == "front-loading":
+        counts = front_loading_counts(len(moe_layers), num_experts, num_gpu_experts)
+        return {i: ExpertPlacement.first_n(num_experts, n) for i, n in zip(moe_layers, counts, strict=True)}
+    if strategy == "random":
+        return {
+            i: ExpertPlacement.from_gpu_experts(num_experts, random_gpu_experts(num_experts, num_gpu_experts, seed, i))
+            for i in moe_layers
+        }
+    if strategy == "frequency":
+        if profile is None:
+            raise ValueError("frequency placement needs a routing profile")
+        _check_profile_fits(profile, num_experts)
+        return {
+            i: ExpertPlacement.from_gpu_experts(num_experts, most_used_experts(profile.counts(i), num_gpu_experts))
+            for i in moe_layers
+        }
+    raise ValueError(f"unknown placement strategy {strategy!r}; known: {', '.join(PLACEMENT_STRATEGIES)}")
+
+
+def _check_profile_fits(profile: RoutingProfile, num_experts: int) -> None:
+    from vllm_kt_plugin.env_config import KTConfigError
+
+    if profile.num_experts != num_experts:
+        raise KTConfigError(
+            f"KT_EXPERT_PROFILE is invalid (num_experts={profile.num_experts}, but the model has {num_experts} "
+            f"routed experts per layer); allowed: a profile of this model."
+        )
+
+
+def plan_placements_from_settings(
+    kt: KTEnvConfig, moe_layers: Sequence[int], num_experts: int, num_gpu_experts: int
+) -> dict[int, ExpertPlacement]:
+    """``plan_placements`` with KT_EXPERT_PLACEMENT, its seed and its profile."""
+    profile = load_routing_profile(kt.expert_profile) if kt.expert_placement == "frequency" else None
+    return plan_placements(
+        kt.expert_placement,
+        moe_layers,
+        num_experts,
+        num_gpu_experts,
+        seed=kt.expert_placement_seed,
+        profile=profile,
+    )
+
+
+def count_cpu_evaluations(profile: RoutingProfile, placements: Mapping[int, ExpertPlacement]) -> int:
+    """Expert evaluations the CPU would have done on the profiled workload: every pick of
+    an expert that this placement leaves on the CPU."""
+    total = 0
+    for layer_idx, placement in placements.items():
+        counts = profile.counts(layer_idx)
+        total += sum(counts[e] for e in placement.cpu_experts())
+    return total
