@@ -81,7 +81,7 @@ def test_proc_readers() -> None:
     "method,flags,level,words",
     [
         ("AMXINT4", cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO), OK, "AMX present"),
-        ("AMXINT8", ZEN4_FLAGS, ERROR, "needs AMX"),
+        ("AMXINT8", ZEN4_FLAGS, WARN, "AVX-512 kernels"),
         ("BF16", ZEN4_FLAGS, OK, "AVX-512 with BF16"),
         ("BF16", frozenset({"avx2", "avx512f", "avx512bw"}), WARN, "without avx512_bf16"),
         ("FP8", frozenset({"avx2"}), WARN, "AVX2 only"),
@@ -142,7 +142,7 @@ def test_weight_files_against_the_method(tmp_path: Path, method: str, file: str,
 def test_weights_default_to_the_model_dir_only_for_checkpoint_methods(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert check_weights("BF16", None, str(tmp_path)).level == OK
-    assert check_weights("AMXINT4", None, str(tmp_path)).level == ERROR
+    assert check_weights("AMXINT4", None, str(tmp_path)).level == OK  # quantized online, cached
     assert check_weights("BF16", None, None).level == WARN
 
 
@@ -190,7 +190,7 @@ def test_every_problem_is_reported(model_dir: Path, capsys: pytest.CaptureFixtur
     assert doctor(str(model_dir), env, small_amd) == 1
     out = capsys.readouterr().out
     assert "ERROR  settings   KT_WEIGHT_PATH=" in out  # a bad variable is still reported, the rest still runs
-    assert "ERROR  cpu" in out and "WARN   threads" in out and "ERROR  ram" in out
+    assert "WARN   cpu" in out and "WARN   threads" in out and "ERROR  ram" in out
     assert "ERROR  weights    " + str(model_dir / "missing") + " is not a directory" in out
 
 
@@ -212,6 +212,8 @@ def test_doctor_command_on_this_machine() -> None:
     verdict_of = {line.split()[1]: line.split()[0] for line in lines[:-1]}
     assert set(verdict_of) == {"settings", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"}
     has_amx = {"amx_tile", "amx_int8"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
-    assert verdict_of["cpu"] == (OK if has_amx else ERROR), proc.stdout
-    assert verdict_of["weights"] == ERROR  # AMXINT4 without KT_WEIGHT_PATH
-    assert proc.returncode == 1 and lines[-1].startswith(f"{list(verdict_of.values()).count(ERROR)} error(s)")
+    has_avx512 = {"avx512f", "avx512bw"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+    assert verdict_of["cpu"] == (OK if has_amx else WARN if has_avx512 else ERROR), proc.stdout
+    assert verdict_of["weights"] == OK  # AMXINT4 without KT_WEIGHT_PATH: quantized online
+    errors = list(verdict_of.values()).count(ERROR)
+    assert proc.returncode == (1 if errors else 0) and lines[-1].startswith(f"{errors} error(s)")

@@ -99,3 +99,34 @@ def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path
                 got["top2"][step],
                 want["top2"][step],
             )
+
+
+def _top1_drift(got: list, want: list) -> float:
+    """Largest |chosen-token logprob difference| over the steps where the tokens agree."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
+            if a != b:
+                break
+            worst = max(worst, abs(g["top2"][step][0] - w["top2"][step][0]))
+    return worst
+
+
+# Measured on the tiny Qwen3-MoE (top-2, all experts on the CPU): without deferral the
+# chosen-token logprobs move by <= 0.0005 against plain vLLM, deferring one of the two
+# experts by <= 0.01; both with identical tokens. The bounds leave room above that.
+DEFERRAL_DRIFT_BOUND = 0.05
+
+
+def test_expert_deferral_end_to_end(tiny_model) -> None:
+    """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1: one of each token's two CPU experts is added one
+    layer later (never on the last MoE layer). It must change the numbers (else it is not
+    active) but keep greedy tokens and stay within DEFERRAL_DRIFT_BOUND of plain vLLM."""
+    model = tiny_model("qwen3_moe")
+    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "0"}
+    exact = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
+    deferred = generate(model, PROMPTS, kt={**kt, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}, max_tokens=MAX_TOKENS)
+    expected = plain(model)
+    assert token_ids(deferred) == token_ids(expected)
+    assert _top1_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND
+    assert _top1_drift(deferred, exact) > 2 * _top1_drift(exact, expected)  # deferral is really on

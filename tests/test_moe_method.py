@@ -254,3 +254,37 @@ def test_online_amx_weights_under_dummy_load_format(vllm_layer_context, tmp_path
     assert torch.isfinite(out).all() and out.abs().max() > 0
     with pytest.raises(RuntimeError, match="lacked 24 of the 24 expert"):
         method.cpu.finalize_weights(0)
+
+
+def test_amx_sizes_kt_kernel_cannot_tile_are_refused(vllm_layer_context, tmp_path: Path) -> None:
+    """kt-kernel's AMXINT4 kernels need multiples of 128 (it fails or crashes otherwise)."""
+    config = kt_config(kt_method="AMXINT4", kt_cache_dir=str(tmp_path), kt_num_gpu_experts="2")
+    with pytest.raises(KTConfigError, match="multiples of 128; this model has 128 and 64"):
+        build_moe(config)
+
+
+def test_layers_follow_kt_expert_placement(vllm_layer_context) -> None:
+    """KT_EXPERT_PLACEMENT reaches the layers vLLM builds: a seeded random subset here."""
+    from vllm_kt_plugin.placement import random_gpu_experts
+
+    config = kt_config(kt_num_gpu_experts="3", kt_expert_placement="random", kt_expert_placement_seed="7")
+    idx = fresh_layer_index()
+    method = build_moe(config, layer_idx=idx).routed_experts.quant_method
+    expected = random_gpu_experts(E, 3, seed=7, layer_idx=idx)
+    assert method.placement.gpu_mask.nonzero().flatten().tolist() == expected != [0, 1, 2]
+    assert expert_numel(method._layer()) == 3 * (3 * INTER * HIDDEN)
+
+
+def test_auto_fits_the_gpu_experts_to_the_granted_memory(vllm_layer_context) -> None:
+    """KT_NUM_GPU_EXPERTS=auto with a faked device size (KT_GPU_MEMORY_GB): the count is
+    what fits beside the non-expert weights, for layers of the configured model."""
+    from vllm_kt_plugin.model_memory import estimate_model_memory
+
+    memory = estimate_model_memory(vllm_layer_context.model_config.hf_config.to_dict())
+    utilization = vllm_layer_context.cache_config.gpu_memory_utilization
+    # Room for exactly 5 experts per layer (plus half an expert) after the non-expert weights.
+    room = memory.non_expert_bytes + 5.5 * memory.num_moe_layers * memory.expert_bytes
+    gib = room / utilization / 2**30
+    config = kt_config(kt_num_gpu_experts="auto", kt_gpu_memory_gb=f"{gib:.9f}", kt_kv_cache_reserve_gb="0")
+    method = build_moe(config, layer_idx=memory.moe_layers[0]).routed_experts.quant_method
+    assert method.placement.num_gpu_experts == 5

@@ -66,7 +66,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """Weight bytes of a Qwen3-MoE / Mixtral-style model (BF16), from its config."""
+    """The shape and weight bytes the benchmark plans with (from model_memory)."""
 
     layers: int
     num_experts: int
@@ -93,18 +93,20 @@ class ModelSizes:
         return self.non_expert_bytes + self.layers * gpu_experts * self.expert_bytes
 
 
-def model_sizes(cfg: dict[str, Any], dtype_bytes: int = 2) -> ModelSizes:
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or h // heads
-    attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h + 2 * head_dim  # qkv, o, q/k norms
-    per_layer = attn + h * experts + 2 * h  # + router + 2 norms
-    embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    expert = 3 * h * inter
-    total = (layers * (per_layer + experts * expert) + embed + h) * dtype_bytes
-    return ModelSizes(layers, experts, cfg["num_experts_per_tok"], h, inter, total, expert * dtype_bytes)
+def model_sizes(cfg: dict[str, Any]) -> ModelSizes:
+    from vllm_kt_plugin.model_memory import estimate_model_memory
+
+    memory = estimate_model_memory(cfg)
+    layers, experts = memory.num_moe_layers, memory.num_experts
+    return ModelSizes(
+        layers=layers,
+        num_experts=experts,
+        top_k=cfg["num_experts_per_tok"],
+        hidden=cfg["hidden_size"],
+        expert_inter=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        total_bytes=int(memory.non_expert_bytes + layers * experts * memory.expert_bytes),
+        expert_bytes=int(memory.expert_bytes),
+    )
 
 
 @dataclass

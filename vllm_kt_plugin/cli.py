@@ -169,7 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="kt-hybrid vs plain vLLM vs --cpu-offload-gb on one GPU (see `vllm-kt bench --help`)",
         add_help=False,
     )
+    sub.add_parser(
+        "profile", help="record per-layer expert activation counts for KT_EXPERT_PLACEMENT=frequency", add_help=False
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["profile"]:
+        from vllm_kt_plugin.routing_profiler import main as profile_main
+
+        return profile_main(argv[1:])
     if argv[:1] == ["bench"]:  # its own parser, shared with `python -m vllm_kt_plugin.benchmark`
         from vllm_kt_plugin.benchmark import main as bench_main
 

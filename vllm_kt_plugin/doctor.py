@@ -116,11 +116,18 @@ def check_cpu(method: str | None, flags: frozenset[str]) -> Verdict:
     if method in NEEDS_AMX:
         if flags >= AMX_FLAGS:
             return Verdict("cpu", OK, f"AMX present for KT_METHOD={method}")
+        if flags >= AVX512_FLAGS:
+            return Verdict(
+                "cpu",
+                WARN,
+                f"no AMX (amx_tile, amx_int8): kt-kernel runs KT_METHOD={method} with its AVX-512 kernels, "
+                "correct but much slower than on an AMX CPU (Intel Sapphire Rapids or newer)",
+            )
         return Verdict(
             "cpu",
             ERROR,
-            f"KT_METHOD={method} needs AMX (amx_tile, amx_int8: Intel Sapphire Rapids or newer), which this CPU "
-            "lacks; use a method that reads the checkpoint (BF16, FP8, ...) or LLAMAFILE",
+            f"KT_METHOD={method} needs AMX or at least AVX-512, which this CPU lacks; use a method with AVX2 "
+            "kernels (BF16, FP8, GPTQ_INT4, ...) or LLAMAFILE",
         )
     if flags >= AVX512_FLAGS:
         if method == "BF16" and "avx512_bf16" not in flags:
@@ -176,6 +183,12 @@ def _found(directory: str, pattern: str) -> int:
 def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Verdict:
     if method is None:
         return Verdict("weights", WARN, "KT_METHOD unknown; not checked")
+    if weight_path is None and method in NEEDS_AMX:
+        return Verdict(
+            "weights",
+            OK,
+            f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
+        )
     directory = weight_path or (model_dir if method in READS_SAFETENSORS else None)
     if directory is None:
         if method in READS_SAFETENSORS:

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
 from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError
 from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
+from vllm_kt_plugin.routing_profiler import RECORDER
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,15 +109,19 @@ def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
-def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, chunk: int) -> LayerSpec:
+def layer_idx_of(prefix: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
+    return extract_layer_index(prefix)
+
+
+def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, chunk: int) -> LayerSpec:
     vllm_config = get_current_vllm_config()
     model_config = vllm_config.model_config
     moe = layer.moe_config
     return LayerSpec(
         layer_name=prefix,
-        layer_idx=extract_layer_index(prefix),
+        layer_idx=layer_idx_of(prefix),
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=moe.hidden_dim,
@@ -143,7 +148,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         chunk = kt.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)
 
         self.layer_name = prefix
-        self.placement = ExpertPlacement.first_n(layer.global_num_experts, kt.num_gpu_experts)
+        self.placement = quant_config.layer_plan.placement_for(layer_idx_of(prefix), layer.global_num_experts)
         self.gpu_slot_of = self.placement.gpu_slot_of()
         self.hidden_size = moe.hidden_dim
 
@@ -330,6 +335,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
+        if RECORDER.enabled:
+            RECORDER.record(layer_idx_of(self.layer_name), topk_ids, self.placement.gpu_mask)
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
         if self.cpu is not None:

@@ -18,6 +18,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig
+from vllm_kt_plugin.layer_plan import LayerPlan, check_plan
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -75,6 +76,7 @@ class KTHybridConfig(QuantizationConfig):
         self.checkpoint = checkpoint or CheckpointFormat()
         with _logged_config_errors():
             self.kt, self.backend = self._validated(kt or KTEnvConfig.from_env(), self.checkpoint)
+        self.layer_plan = LayerPlan(self.kt)
         logger.info("kt-hybrid: native method %s; %s", self.native_name, self.kt.describe())
 
     @staticmethod
@@ -145,6 +147,7 @@ class KTHybridConfig(QuantizationConfig):
         )
         convertor = convertor_cls(hf_config, text_config)
         self.kt.check_model(convertor.get_num_experts(), convertor.get_num_experts_per_token())
+        check_plan(self.kt, hf_config.to_dict(), convertor.get_num_experts())
         if os.path.isdir(model_name):
             self.backend.check_model_dir(self.kt, model_name)
 

@@ -34,6 +34,9 @@ QUANTIZES_ONLINE = frozenset({"AMXINT4", "AMXINT8"})
 # kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
 # loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
 # every GPU weight; we check them at config time.
+# kt-kernel 0.7.2's AMX kernels tile hidden and expert-intermediate sizes in these steps;
+# other sizes fail ("n or k is not aligned") or crash, so they are refused up front.
+ONLINE_ALIGNMENT = {"AMXINT4": 128, "AMXINT8": 64}
 KERNEL_FLAGS = {
     "AMXINT4": ("_HAS_AMXINT4_SUPPORT",),
     "AMXINT8": ("_HAS_AMXINT8_SUPPORT",),
@@ -195,6 +198,7 @@ class KTKernelExperts(CPUExperts):
         # once complete, and loaded from there; a cached layer skips the first two steps.
         self.cache: Path | None = None
         self._collected: ExpertTensors | None = None
+        self._check_alignment()
         if config.weight_path is None and self.method in QUANTIZES_ONLINE:
             self.cache = cache_folder(
                 config.cache_dir,
@@ -206,6 +210,17 @@ class KTKernelExperts(CPUExperts):
                 shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
             )
         PROGRESS.expect_layer(quantize=self.wants_all_experts)
+
+    def _check_alignment(self) -> None:
+        step = ONLINE_ALIGNMENT.get(self.method)
+        spec = self.spec
+        if step and (spec.hidden_size % step or spec.intermediate_size % step):
+            raise error_for(
+                "KT_METHOD",
+                self.method,
+                f"kt-kernel's {self.method} kernels need hidden and expert intermediate sizes that are "
+                f"multiples of {step}; this model has {spec.hidden_size} and {spec.intermediate_size}",
+            )
 
     @property
     def wants_all_experts(self) -> bool:

@@ -1,0 +1,93 @@
+"""Which experts each MoE layer keeps on the GPU, decided once per model.
+
+The count comes from KT_NUM_GPU_EXPERTS (a number or ``auto``, sized to the device) or
+KT_GPU_EXPERTS_RATIO; the choice of experts from KT_EXPERT_PLACEMENT. All layers are
+planned together because front-loading spreads one total over them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig
+from vllm_kt_plugin.gpu_budget import measured_device_total_bytes, resolve_num_gpu_experts
+from vllm_kt_plugin.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
+from vllm_kt_plugin.placement import ExpertPlacement, plan_placements_from_settings
+
+logger = logging.getLogger(LOGGER_NAME)
+
+# Strategies that need every MoE layer's index (and so the model's config) to plan.
+NEEDS_ALL_LAYERS = frozenset({"front-loading"})
+
+
+def model_memory(kt: KTEnvConfig, hf_config: Mapping[str, Any]) -> ModelMemory | None:
+    """The model's weight sizes, or None where they are not needed and cannot be read."""
+    try:
+        return estimate_model_memory(hf_config)
+    except ModelConfigError as exc:
+        if kt.gpu_experts_auto or kt.expert_placement in NEEDS_ALL_LAYERS:
+            what = (
+                "KT_NUM_GPU_EXPERTS='auto'" if kt.gpu_experts_auto else f"KT_EXPERT_PLACEMENT={kt.expert_placement!r}"
+            )
+            raise KTConfigError(
+                f"{what} is invalid for this model ({exc}); allowed: a fixed KT_NUM_GPU_EXPERTS "
+                "with KT_EXPERT_PLACEMENT uniform, random or frequency."
+            ) from None
+        return None
+
+
+def check_plan(kt: KTEnvConfig, hf_config: Mapping[str, Any], num_experts: int) -> None:
+    """Front-end checks (before the engine starts): the sizes ``auto`` and front-loading
+    need, and the routing profile frequency placement reads."""
+    memory = model_memory(kt, hf_config)
+    if kt.expert_placement == "frequency":
+        layers = memory.moe_layers if memory is not None else ()
+        plan_placements_from_settings(kt, layers, num_experts, 0)  # loads and checks the profile
+
+
+class LayerPlan:
+    """Per-layer placements, computed on the first layer vLLM builds (in the worker, where
+    the device and vLLM's memory settings are known)."""
+
+    def __init__(self, kt: KTEnvConfig) -> None:
+        self.kt = kt
+        self.placements: dict[int, ExpertPlacement] | None = None
+        self.num_gpu_experts = 0
+
+    def placement_for(self, layer_idx: int, num_experts: int) -> ExpertPlacement:
+        if self.placements is None:
+            self.placements = self._plan(num_experts)
+        placement = self.placements.get(layer_idx)
+        if placement is None:  # a layer the config does not list (e.g. built on its own)
+            strategy = "uniform" if self.kt.expert_placement in NEEDS_ALL_LAYERS else self.kt.expert_placement
+            kt = replace(self.kt, expert_placement=strategy)
+            placement = plan_placements_from_settings(kt, [layer_idx], num_experts, self.num_gpu_experts)[layer_idx]
+            self.placements[layer_idx] = placement
+        return placement
+
+    def _plan(self, num_experts: int) -> dict[int, ExpertPlacement]:
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        memory = model_memory(self.kt, vllm_config.model_config.hf_config.to_dict())
+        if memory is None:
+            self.num_gpu_experts = self._count_without_sizes(num_experts)
+            return {}
+        budget = resolve_num_gpu_experts(
+            self.kt,
+            memory,
+            gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
+            device_total_bytes=measured_device_total_bytes(),
+            tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+        )
+        self.num_gpu_experts = budget.num_gpu_experts
+        logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.kt.expert_placement)
+        return plan_placements_from_settings(self.kt, memory.moe_layers, num_experts, budget.num_gpu_experts)
+
+    def _count_without_sizes(self, num_experts: int) -> int:
+        if self.kt.gpu_experts_ratio is not None:
+            return round(self.kt.gpu_experts_ratio * num_experts)
+        return self.kt.num_gpu_experts
