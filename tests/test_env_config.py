@@ -70,6 +70,8 @@ MISTAKES = [
     ("zero chunk", {"KT_CHUNKED_PREFILL_SIZE": "0"}, "KT_CHUNKED_PREFILL_SIZE", "0"),
     ("non-integer chunk", {"KT_CHUNKED_PREFILL_SIZE": "4k"}, "KT_CHUNKED_PREFILL_SIZE", "4k"),
     ("negative deferral", {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "-2"}, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "-2"),
+    ("negative metrics interval", {"KT_METRICS_INTERVAL": "-1"}, "KT_METRICS_INTERVAL", "-1"),
+    ("non-numeric metrics interval", {"KT_METRICS_INTERVAL": "often"}, "KT_METRICS_INTERVAL", "often"),
     ("torch backend with AMX method", {"KT_BACKEND": "torch", "KT_METHOD": "AMXINT4"}, "KT_METHOD", "AMXINT4"),
     (
         "torch backend with deferral",

@@ -154,6 +154,12 @@ VARIABLES: tuple[Variable, ...] = (
         "an integer from 0 to top_k - 1",
         "CPU experts per token whose result is added one layer later (0 on the last MoE layer)",
     ),
+    Variable(
+        "KT_METRICS_INTERVAL",
+        "0 (off)",
+        "a number of seconds >= 0",
+        "log per-layer CPU-expert, GPU-expert and CPU-wait times every N seconds (also Prometheus counters)",
+    ),
 )
 KNOWN_VARIABLES = frozenset(v.name for v in VARIABLES)
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -275,6 +281,7 @@ class KTEnvConfig:
     expert_placement: str = "uniform"
     expert_profile: str | None = None
     expert_placement_seed: int = 0
+    metrics_interval_s: float = 0.0
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
 
     @classmethod
@@ -361,6 +368,7 @@ class KTEnvConfig:
             expert_placement=placement,
             expert_profile=profile,
             expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
+            metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
             preset=preset,
         )
 

@@ -30,6 +30,7 @@ from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
 from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError
+from vllm_kt_plugin.metrics import HybridMetrics
 from vllm_kt_plugin.placement import ExpertPlacement, route_to_gpu_slots
 from vllm_kt_plugin.routing_profiler import RECORDER
 
@@ -67,6 +68,12 @@ def _register_hybrid_moe_op() -> Any:
     library = Library("vllm_kt", "FRAGMENT")
     direct_register_custom_op("hybrid_moe", _hybrid_moe, fake_impl=_hybrid_moe_fake, target_lib=library)
     return library  # the op lives as long as this object: functools.cache keeps it
+
+
+@functools.cache
+def hybrid_metrics(interval_s: float) -> HybridMetrics | None:
+    """One collector per process, shared by its layers (None when KT_METRICS_INTERVAL=0)."""
+    return HybridMetrics(interval_s) if interval_s > 0 else None
 
 
 def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
@@ -177,6 +184,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 )
             self.cpu = quant_config.backend(spec, kt)
 
+        self.metrics = hybrid_metrics(kt.metrics_interval_s)
         self._layer = weakref.ref(layer)
         _LAYERS[prefix] = self
         _register_hybrid_moe_op()
@@ -337,17 +345,25 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         assert layer is not None, f"{self.layer_name} was garbage-collected"
         if RECORDER.enabled:
             RECORDER.record(layer_idx_of(self.layer_name), topk_ids, self.placement.gpu_mask)
+        span = self.metrics.start(x) if self.metrics is not None and self.cpu is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
         if self.cpu is not None:
             self.cpu.submit(x_cpu, topk_ids, topk_weights)
+        if span is not None:
+            span.mark()
         out = self._gpu_experts(layer, x, topk_weights, topk_ids)
         if self.cpu is None:
             return out if out is not None else torch.zeros_like(x)
+        if span is not None:
+            span.mark()
         cpu_out = self.cpu.sync(x_cpu).to(x.dtype)
         if cpu_out.shape[-1] != x.shape[-1]:
             cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
-        return cpu_out.clone() if out is None else out + cpu_out
+        result = cpu_out.clone() if out is None else out + cpu_out
+        if span is not None:
+            self.metrics.finish(self.cpu.spec.layer_idx, span)
+        return result
 
     def _gpu_experts(
         self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
