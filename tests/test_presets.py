@@ -148,8 +148,13 @@ def test_broken_preset_is_one_clear_line(tmp_path: Path, text: str, key: str, va
     assert key in message and value in message and "allowed" in message, message
 
 
-def test_known_methods_are_kt_kernels_inference_methods() -> None:
-    from vllm_kt_plugin.cpu_backends.kt_kernel_backend import kt_inference_methods
-    from vllm_kt_plugin.presets import KT_KERNEL_METHODS
-
-    assert {m for m in kt_inference_methods() if not m.endswith("_SFT")} == KT_KERNEL_METHODS
+def test_a_ratio_in_the_environment_replaces_a_presets_count(tmp_path) -> None:
+    """The environment wins: a preset's KT_NUM_GPU_EXPERTS gives way to KT_GPU_EXPERTS_RATIO
+    (and the reverse) instead of clashing with it."""
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("name: mine\nsettings:\n  KT_NUM_GPU_EXPERTS: 4\n")
+    kt = from_env({"KT_CONFIG": str(preset), "KT_GPU_EXPERTS_RATIO": "0.25"})
+    assert (kt.num_gpu_experts, kt.gpu_experts_ratio) == (0, 0.25)
+    preset.write_text("name: mine\nsettings:\n  KT_GPU_EXPERTS_RATIO: 0.5\n")
+    kt = from_env({"KT_CONFIG": str(preset), "KT_NUM_GPU_EXPERTS": "3"})
+    assert (kt.num_gpu_experts, kt.gpu_experts_ratio) == (3, None)

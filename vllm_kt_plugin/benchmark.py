@@ -23,13 +23,17 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_kt_plugin.model_memory import ModelMemory
 
 GIB = 1024**3
 RESULT_PREFIX = "BENCH_RESULT "
@@ -66,46 +70,62 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """The shape and weight bytes the benchmark plans with (from model_memory)."""
+    """The shape the benchmark plans with; byte counts and fitting come from model_memory
+    and gpu_budget, as for KT_NUM_GPU_EXPERTS=auto."""
 
-    layers: int
-    num_experts: int
+    memory: ModelMemory
     top_k: int
     hidden: int
     expert_inter: int
-    total_bytes: int
-    expert_bytes: int  # one expert of one layer
+
+    @property
+    def layers(self) -> int:
+        return self.memory.num_moe_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.memory.num_experts
+
+    @property
+    def expert_bytes(self) -> int:
+        return int(self.memory.expert_bytes)
+
+    @property
+    def non_expert_bytes(self) -> int:
+        return int(self.memory.non_expert_bytes)
 
     @property
     def experts_bytes(self) -> int:
         return self.layers * self.num_experts * self.expert_bytes
 
     @property
-    def non_expert_bytes(self) -> int:
-        return self.total_bytes - self.experts_bytes
+    def total_bytes(self) -> int:
+        return int(self.memory.gpu_bytes(self.num_experts))
 
     def gpu_experts_for(self, gpu_weight_bytes: float) -> int:
         """Experts per layer that fit beside the non-expert weights in ``gpu_weight_bytes``."""
-        room = gpu_weight_bytes - self.non_expert_bytes
-        return max(0, min(self.num_experts, int(room // (self.layers * self.expert_bytes))))
+        from vllm_kt_plugin.gpu_budget import fit_gpu_experts
+
+        budget = fit_gpu_experts(
+            device_total_bytes=int(gpu_weight_bytes),
+            gpu_memory_utilization=1.0,
+            memory=self.memory,
+            kv_cache_reserve_gb=0.0,
+        )
+        return budget.num_gpu_experts
 
     def gpu_weight_bytes(self, gpu_experts: int) -> int:
-        return self.non_expert_bytes + self.layers * gpu_experts * self.expert_bytes
+        return int(self.memory.gpu_bytes(gpu_experts))
 
 
 def model_sizes(cfg: dict[str, Any]) -> ModelSizes:
     from vllm_kt_plugin.model_memory import estimate_model_memory
 
-    memory = estimate_model_memory(cfg)
-    layers, experts = memory.num_moe_layers, memory.num_experts
     return ModelSizes(
-        layers=layers,
-        num_experts=experts,
+        memory=estimate_model_memory(cfg),
         top_k=cfg["num_experts_per_tok"],
         hidden=cfg["hidden_size"],
         expert_inter=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-        total_bytes=int(memory.non_expert_bytes + layers * experts * memory.expert_bytes),
-        expert_bytes=int(memory.expert_bytes),
     )
 
 
@@ -232,17 +252,22 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
 
 
 def _run_logged(args: list[str], env: dict[str, str], log_path: Path, timeout_s: int) -> int:
-    """``python -m vllm_kt_plugin.benchmark ARGS`` with all its output in ``log_path``."""
+    """``python -m vllm_kt_plugin.benchmark ARGS`` with all its output in ``log_path``. It runs
+    in a process group of its own, so a timeout also ends vLLM's engine-core process (a
+    grandchild that would otherwise keep the GPU memory)."""
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_kt_plugin.benchmark", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            return subprocess.run(
-                [sys.executable, "-m", "vllm_kt_plugin.benchmark", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout_s,
-            ).returncode
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             log.write(f"\n[bench] killed after {timeout_s} s\n")
             return -9
 

@@ -177,11 +177,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "vllm-kt-plugin" / "kt-weights"
 
 
-def check_cache_dir(path: str, *, from_env: bool = True) -> str:
+def check_cache_dir(path: str) -> str:
     """Create the cache directory now: one that cannot be written would otherwise fail
     only after vLLM has loaded every GPU weight and quantized the first layer."""
     where = Path(path).expanduser()
-    name = "KT_CACHE_DIR" if from_env else "KT_CACHE_DIR (unset, default)"
+    name = "KT_CACHE_DIR"
     allowed = _BY_NAME["KT_CACHE_DIR"].allowed
     try:
         where.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,12 @@ set). So the numbers go to a periodic log line always, and to Prometheus counter
 (``kt_hybrid_*_seconds_total{layer=...}``) that show on ``/metrics`` in that mode.
 
 Timing: on CUDA, events on the layer's stream before submit (e0), after the GPU experts (e2)
-and after sync (e3): the GPU side takes e2 - e0, the wait for the CPU e3 - e2, and the CPU
-branch e3 - e0 (its work runs between the submit and sync host callbacks). Inside a CUDA-graph capture nothing is
-recorded (replays run no Python): measure decode with --enforce-eager. On the CPU platform
-the submit computes synchronously, so host clocks give the same three numbers.
+and after sync (e3): the GPU side takes e2 - e0 and the wait for the CPU e3 - e2. The CPU
+branch (submit to result) spans e3 - e0: the CPU experts' time when the layer waits for
+them, an upper bound when they finish under the GPU work. A layer is CPU-bound when it
+waits. Inside a CUDA-graph capture nothing is recorded (replays run no Python): measure
+decode with --enforce-eager. On the CPU platform the submit computes synchronously, so host
+clocks give the CPU experts' time itself, all of it waited for.
 """
 
 from __future__ import annotations
@@ -58,14 +60,14 @@ class _Span:
         return not self.cuda or self.marks[-1].query()
 
     def seconds(self) -> tuple[float, float, float]:
-        """(cpu, gpu, wait) of a span marked before submit, after submit, after the GPU
-        experts and after sync."""
+        """(CPU branch, GPU experts, wait for the CPU) of a span marked before submit, after
+        submit, after the GPU experts and after sync."""
         if self.cuda:
             e0, _, e2, e3 = self.marks
             gpu, wait = e0.elapsed_time(e2) / 1e3, e2.elapsed_time(e3) / 1e3
             return gpu + wait, gpu, wait
-        t0, t1, t2, t3 = self.marks
-        return t1 - t0, t2 - t1, t3 - t2
+        t0, t1, t2, t3 = self.marks  # the submit computes the CPU experts synchronously
+        return t1 - t0, t2 - t1, (t1 - t0) + (t3 - t2)
 
 
 class HybridMetrics:
@@ -138,18 +140,23 @@ class HybridMetrics:
         return self._counters
 
 
+WAIT_SHARE_CPU_BOUND = 0.05  # a layer that waits this share of its time for the CPU is CPU-bound
+
+
 def summarize(window: dict[int, LayerTotals], seconds: float) -> str:
-    """One line: per-forward averages over all layers, which side bounds, the slowest layer."""
+    """One line: per-forward averages over all layers, which side bounds, the layer that
+    waits longest for its CPU experts."""
     forwards = sum(t.forwards for t in window.values())
     cpu = sum(t.cpu_s for t in window.values())
     gpu = sum(t.gpu_s for t in window.values())
     wait = sum(t.wait_s for t in window.values())
-    slowest = max(window, key=lambda i: window[i].cpu_s / max(window[i].forwards, 1))
+    layer_time = max(cpu, gpu)
+    bound = "CPU" if wait > WAIT_SHARE_CPU_BOUND * layer_time else "GPU"
+    slowest = max(window, key=lambda i: window[i].wait_s / max(window[i].forwards, 1))
     s = window[slowest]
-    bound = "CPU" if cpu > gpu else "GPU"
     return (
         f"last {seconds:.0f} s, {len(window)} layers, {forwards} layer forwards: per layer forward "
-        f"CPU experts {1e3 * cpu / forwards:.3f} ms, GPU experts {1e3 * gpu / forwards:.3f} ms, "
-        f"waiting on the CPU {1e3 * wait / forwards:.3f} ms -> {bound}-bound; slowest CPU layer {slowest} "
-        f"({1e3 * s.cpu_s / s.forwards:.3f} ms, {s.tokens / s.forwards:.1f} tokens/forward)"
+        f"CPU experts (submit to result) {1e3 * cpu / forwards:.3f} ms, GPU experts {1e3 * gpu / forwards:.3f} ms, "
+        f"waiting on the CPU {1e3 * wait / forwards:.3f} ms -> {bound}-bound; longest wait: layer {slowest} "
+        f"({1e3 * s.wait_s / s.forwards:.3f} ms, {s.tokens / s.forwards:.1f} tokens/forward)"
     )

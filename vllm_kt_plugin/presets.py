@@ -38,25 +38,8 @@ PRESET_KEYS = frozenset(
     {"name", "aliases", "description", "models", "settings", "methods", "model_config", "gpu_experts"}
 )
 PRESET_SETTINGS = KNOWN_VARIABLES - {"KT_CONFIG"}
-# kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS, SFT ones excluded).
-KT_KERNEL_METHODS = frozenset(
-    {
-        "AMXINT4",
-        "AMXINT8",
-        "BF16",
-        "FP8",
-        "FP8_PERCHANNEL",
-        "RAWINT4",
-        "GPTQ_INT4",
-        "SYCL_GPTQ_INT4",
-        "MXFP4",
-        "NVFP4",
-        "MXFP8",
-        "LLAMAFILE",
-        "MOE_INT4",
-        "MOE_INT8",
-    }
-)
+# Two ways to size the GPU share; the environment's choice replaces the preset's, not joins it.
+GPU_COUNT_VARIABLES = ("KT_NUM_GPU_EXPERTS", "KT_GPU_EXPERTS_RATIO")
 GPU_SIZE_TOLERANCE = 1.05  # a "80 GB" card reports a little less than 80 GiB usable
 
 
@@ -155,8 +138,9 @@ def _methods(data: dict[str, Any], settings: Mapping[str, str], errors: _PresetE
     if not isinstance(raw, dict):
         raise errors.bad("methods", raw, "a mapping of kt-kernel methods to what KT_WEIGHT_PATH holds")
     for method, text in raw.items():
-        if str(method).upper() not in KT_KERNEL_METHODS:
-            raise errors.bad(f"methods.{method}", method, ", ".join(sorted(KT_KERNEL_METHODS)), "unknown method")
+        known = _kt_kernel_methods()
+        if known and str(method).upper() not in known:
+            raise errors.bad(f"methods.{method}", method, ", ".join(sorted(known)), "unknown method")
         if not isinstance(text, str):
             raise errors.bad(f"methods.{method}", text, "a text saying what KT_WEIGHT_PATH must hold")
     method = settings.get("KT_METHOD", "").upper()
@@ -233,8 +217,11 @@ def apply_preset(
     KT_NUM_GPU_EXPERTS from the preset's table for this GPU when nothing sets it."""
     path = find_preset(env["KT_CONFIG"].strip())
     preset = load_preset(path, cores=cores, numa_nodes=numa_nodes)
-    merged = {**preset.settings, **env}
-    overridden = sorted(n for n in preset.settings if n in env)
+    settings = dict(preset.settings)
+    if any(env.get(n, "").strip() for n in GPU_COUNT_VARIABLES):  # the env's way of sizing wins whole
+        settings = {k: v for k, v in settings.items() if k not in GPU_COUNT_VARIABLES}
+    merged = {**settings, **env}
+    overridden = sorted(n for n in preset.settings if n in env or (n in GPU_COUNT_VARIABLES and n not in settings))
     table_line = _apply_gpu_table(preset, merged, detect_gpu_gb)
     logger.info(
         "kt-hybrid: KT_CONFIG preset %s (%s): %s%s%s",
@@ -262,3 +249,13 @@ def _apply_gpu_table(preset: Preset, merged: dict[str, str], detect_gpu_gb: Call
     if size == 0:
         return f"{gpu_gb:.0f} GB GPU is below the smallest table entry -> KT_NUM_GPU_EXPERTS=0"
     return f"{gpu_gb:.0f} GB GPU -> table entry {size} GB -> KT_NUM_GPU_EXPERTS={count}"
+
+
+def _kt_kernel_methods() -> frozenset[str]:
+    """kt-kernel's own list of methods; empty (no check) where kt-kernel is not installed."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel_backend import kt_inference_methods
+
+    try:
+        return kt_inference_methods()
+    except KTConfigError:
+        return frozenset()

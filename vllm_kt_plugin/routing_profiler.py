@@ -25,6 +25,9 @@ class RoutingRecorder:
 
     def __init__(self) -> None:
         self.enabled = False
+        self.reset()
+
+    def reset(self) -> None:
         self.counts: dict[int, torch.Tensor] = {}
         self.cpu_evaluations: dict[int, int] = {}
         self.gpu_experts: dict[int, list[int]] = {}
@@ -67,8 +70,9 @@ def profile(model: str, prompts: list[Any], max_tokens: int, llm_args: dict[str,
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    RECORDER.enabled = True
     llm = LLM(model=model, quantization="kt-hybrid", enforce_eager=True, seed=0, **llm_args)
+    RECORDER.reset()  # vLLM's start-up forwards (memory profiling, warm-up) are not the workload
+    RECORDER.enabled = True
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     texts = [p for p in prompts if isinstance(p, str)]
     chats = [p["messages"] for p in prompts if not isinstance(p, str)]

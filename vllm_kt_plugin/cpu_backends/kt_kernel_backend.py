@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -180,7 +181,7 @@ class KTKernelExperts(CPUExperts):
                 f"checkpoint's tensors, which are {checkpoint.quant_method}, not BF16/FP16; set "
                 f"KT_WEIGHT_PATH to converted {config.method} weights",
             )
-        check_cache_dir(config.cache_dir, from_env="KT_CACHE_DIR" in os.environ)
+        check_cache_dir(config.cache_dir)
 
     @classmethod
     def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
@@ -196,20 +197,28 @@ class KTKernelExperts(CPUExperts):
         self._stream = 0
         # Online quantization: the layer's tensors are collected, quantized into the cache
         # once complete, and loaded from there; a cached layer skips the first two steps.
-        self.cache: Path | None = None
+        self.online = config.weight_path is None and self.method in QUANTIZES_ONLINE
         self._collected: ExpertTensors | None = None
+        self._needs_quantizing: bool | None = None  # decided on first use (files are local by then)
         self._check_alignment()
-        if config.weight_path is None and self.method in QUANTIZES_ONLINE:
-            self.cache = cache_folder(
-                config.cache_dir,
-                model=spec.model,
-                revision=spec.revision,
-                load_format=spec.load_format,
-                method=self.method,
-                pools=config.threadpool_count,
-                shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
-            )
-        PROGRESS.expect_layer(quantize=self.wants_all_experts)
+        PROGRESS.expect_layer()
+
+    @functools.cached_property
+    def cache(self) -> Path | None:
+        """This layer's cache folder. Resolved on first use, during weight loading: a hub
+        model's snapshot (whose path carries its commit) is only local by then."""
+        if not self.online:
+            return None
+        spec, cfg = self.spec, self.config
+        dummy = spec.load_format == "dummy"
+        return cache_folder(
+            cfg.cache_dir,
+            model=spec.model,
+            model_dir=None if dummy else local_model_dir(spec.model, spec.revision, spec.download_dir),
+            method=self.method,
+            pools=cfg.threadpool_count,
+            shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
+        )
 
     def _check_alignment(self) -> None:
         step = ONLINE_ALIGNMENT.get(self.method)
@@ -224,7 +233,11 @@ class KTKernelExperts(CPUExperts):
 
     @property
     def wants_all_experts(self) -> bool:
-        return self.cache is not None and not layer_is_cached(self.cache, self.spec.layer_idx)
+        if self._needs_quantizing is None:  # checked once: the loader asks for every tensor
+            cache = self.cache
+            spec = self.spec
+            self._needs_quantizing = cache is not None and not layer_is_cached(cache, spec.layer_idx, spec.num_experts)
+        return self._needs_quantizing
 
     def _wrapper_args(self, max_deferred_experts_per_token: int = 0) -> dict[str, Any]:
         spec, cfg = self.spec, self.config
@@ -257,6 +270,7 @@ class KTKernelExperts(CPUExperts):
         start = time.perf_counter()
         quantize_into_cache(kt_kernel, self.cache, self.spec.layer_idx, self._collected, **self._wrapper_args())
         self._collected = None  # frees the layer's BF16 copy
+        self._needs_quantizing = False
         PROGRESS.layer_quantized(
             self.spec.layer_name,
             f"quantized {self.spec.num_experts} experts to {self.method} into {self.cache}",

@@ -38,36 +38,54 @@ SHARDS = ("w1", "w3", "w2")  # gate, up, down, as vLLM's expert loaders name the
 DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234  # vLLM's dummy-weight range
 
 
-def _model_fingerprint(model: str, revision: str | None, load_format: str) -> dict[str, Any]:
-    if load_format == "dummy":
+def _model_fingerprint(model: str, model_dir: str | None) -> dict[str, Any]:
+    """The model's weight files (names, sizes, times) in its local directory (a hub model's
+    snapshot folder, whose path carries the commit), or "dummy" for random weights."""
+    if model_dir is None:
         return {"model": model, "weights": "dummy"}
-    files: list[tuple[str, int, int]] = []
-    if os.path.isdir(model):
-        for path in sorted(Path(model).glob("*.safetensors")):
-            stat = path.stat()
-            files.append((path.name, stat.st_size, int(stat.st_mtime)))
-    return {"model": os.path.abspath(model) if os.path.isdir(model) else model, "revision": revision, "files": files}
+    files = [
+        (path.name, path.stat().st_size, int(path.stat().st_mtime))
+        for pattern in ("*.safetensors", "*.bin")
+        for path in sorted(Path(model_dir).glob(pattern))
+    ]
+    return {"model": os.path.abspath(model_dir), "files": files}
 
 
 def cache_folder(
-    root: str,
-    *,
-    model: str,
-    revision: str | None,
-    load_format: str,
-    method: str,
-    pools: int,
-    shape: tuple[int, int, int],
+    root: str, *, model: str, model_dir: str | None, method: str, pools: int, shape: tuple[int, int, int]
 ) -> Path:
-    """Where this model's layers, quantized with ``method``, live."""
-    key = {**_model_fingerprint(model, revision, load_format), "shape": shape}
+    """Where this model's layers, quantized with ``method``, live (``model_dir`` None: dummy weights)."""
+    key = {**_model_fingerprint(model, model_dir), "shape": shape}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model.rstrip("/")).name)[:60] or "model"
     return Path(root) / f"{name}-{digest}" / f"{method}-pools{pools}"
 
 
-def layer_is_cached(folder: Path, layer_idx: int) -> bool:
-    return (folder / f"_layer_{layer_idx}" / MARKER).is_file()
+FILES_PER_EXPERT = 6  # gate/up/down, each as quantized weights and scales
+_SIZE_IN_NAME = re.compile(r"_(\d+)Byte_")
+
+
+def layer_files_complete(layer_dir: Path, num_experts: int) -> bool:
+    """kt-kernel writes ``_numa_<n>/<TYPE>_<proj>_<expert>_<bytes>Byte_<kind>_.kt`` and only
+    prints when a write fails, so a full disk would leave short files behind: count the
+    files and compare each size with the one in its name."""
+    numa_dirs = sorted(layer_dir.glob("_numa_*"))
+    if not numa_dirs:
+        return False
+    for numa in numa_dirs:
+        files = list(numa.glob("*.kt"))
+        if len(files) != FILES_PER_EXPERT * num_experts:
+            return False
+        for path in files:
+            size = _SIZE_IN_NAME.search(path.name)
+            if size is None or path.stat().st_size != int(size.group(1)):
+                return False
+    return True
+
+
+def layer_is_cached(folder: Path, layer_idx: int, num_experts: int) -> bool:
+    layer_dir = folder / f"_layer_{layer_idx}"
+    return (layer_dir / MARKER).is_file() and layer_files_complete(layer_dir, num_experts)
 
 
 @dataclass
@@ -120,29 +138,52 @@ class ExpertTensors:
         self.received = {(e, s) for e in range(self.num_experts) for s in SHARDS}
 
 
+STALE_STAGING_S = 6 * 3600  # staging folders left by a killed start
+
+
 def quantize_into_cache(
     kt_kernel: Any, folder: Path, layer_idx: int, tensors: ExpertTensors, **wrapper_args: Any
 ) -> None:
-    """Quantize one layer with kt-kernel and publish it under ``folder`` atomically."""
+    """Quantize one layer with kt-kernel and publish it under ``folder`` atomically; a layer
+    another process published meanwhile is kept (theirs is as good as ours)."""
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(folder)
     staging = Path(tempfile.mkdtemp(prefix=f".layer_{layer_idx}-", dir=folder))
+    target = folder / f"_layer_{layer_idx}"
     try:
         wrapper = kt_kernel.KTMoEWrapper(layer_idx=layer_idx, weight_path=str(staging), **wrapper_args)
         physical_to_logical = torch.arange(tensors.num_experts, dtype=torch.long)
         wrapper.load_weights_from_tensors(tensors.gate, tensors.up, tensors.down, physical_to_logical)
         del wrapper
         written = staging / f"_layer_{layer_idx}"
-        if not written.is_dir():
-            raise RuntimeError(f"kt-kernel wrote no {written.name} under {staging}")
+        if not layer_files_complete(written, tensors.num_experts):
+            raise RuntimeError(
+                f"kt-kernel wrote an incomplete layer under {staging} (disk full or not writable?); "
+                "free space in KT_CACHE_DIR or point it elsewhere"
+            )
         (written / MARKER).write_text(
             json.dumps({"method": wrapper_args.get("method"), "created": time.time(), **_shape(tensors)})
         )
-        target = folder / f"_layer_{layer_idx}"
+        if layer_is_cached(folder, layer_idx, tensors.num_experts):
+            return
         if target.exists():  # a stale, unmarked layer from an interrupted start
             shutil.rmtree(target)
-        os.replace(written, target)
+        try:
+            os.replace(written, target)
+        except OSError:
+            if not layer_is_cached(folder, layer_idx, tensors.num_experts):
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    for path in folder.glob(".layer_*-*"):
+        try:
+            if time.time() - path.stat().st_mtime > STALE_STAGING_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _shape(tensors: ExpertTensors) -> dict[str, int]:
@@ -158,12 +199,11 @@ class LoadProgress:
     total time once every layer is ready."""
 
     def __init__(self) -> None:
-        self.layers = self.ready = self.to_quantize = self.quantized = 0
+        self.layers = self.ready = self.quantized = 0
         self.started: float | None = None
 
-    def expect_layer(self, *, quantize: bool) -> None:
+    def expect_layer(self) -> None:
         self.layers += 1
-        self.to_quantize += int(quantize)
 
     def _start(self, seconds: float) -> None:
         if self.started is None:
@@ -173,12 +213,12 @@ class LoadProgress:
         self._start(seconds)
         self.quantized += 1
         logger.info(
-            "kt-hybrid: %s: %s in %.2f s (quantized %d/%d)",
+            "kt-hybrid: %s: %s in %.2f s (quantized %d of %d layers)",
             layer_name,
             detail,
             seconds,
             self.quantized,
-            self.to_quantize,
+            self.layers,
         )
 
     def layer_ready(self, layer_name: str, detail: str, seconds: float) -> None:
