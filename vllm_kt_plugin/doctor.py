@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_kt_plugin.cpu_backends.kt_kernel_backend import QUANTIZES_ONLINE, READS_HF_CHECKPOINT
 from vllm_kt_plugin.env_config import (
     KTConfigError,
     KTEnvConfig,
@@ -29,9 +30,6 @@ OK, WARN, ERROR = "OK", "WARN", "ERROR"
 EXPECTED_VERSIONS = {"kt-kernel": "0.7.2", "vllm": "0.32"}
 AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
-NEEDS_AMX = frozenset({"AMXINT4", "AMXINT8"})
-# Methods whose weights kt-kernel reads from a Hugging Face checkpoint's safetensors.
-READS_SAFETENSORS = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "RAWINT4", "MXFP4", "NVFP4", "MXFP8"})
 RAM_HEADROOM = 0.9  # warn when the experts would take more than this share of MemAvailable
 
 
@@ -113,7 +111,7 @@ def check_settings(env: Mapping[str, str], system: SystemInfo) -> tuple[Verdict,
 def check_cpu(method: str | None, flags: frozenset[str]) -> Verdict:
     if method is None:
         return Verdict("cpu", WARN, "KT_METHOD unknown (unset, and no --model to read the default from); not checked")
-    if method in NEEDS_AMX:
+    if method in QUANTIZES_ONLINE:
         if flags >= AMX_FLAGS:
             return Verdict("cpu", OK, f"AMX present for KT_METHOD={method}")
         if flags >= AVX512_FLAGS:
@@ -183,20 +181,20 @@ def _found(directory: str, pattern: str) -> int:
 def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Verdict:
     if method is None:
         return Verdict("weights", WARN, "KT_METHOD unknown; not checked")
-    if weight_path is None and method in NEEDS_AMX:
+    if weight_path is None and method in QUANTIZES_ONLINE:
         return Verdict(
             "weights",
             OK,
             f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
         )
-    directory = weight_path or (model_dir if method in READS_SAFETENSORS else None)
+    directory = weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
     if directory is None:
-        if method in READS_SAFETENSORS:
+        if method in READS_HF_CHECKPOINT:
             return Verdict("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
         return Verdict("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
     if not os.path.isdir(directory):
         return Verdict("weights", ERROR, f"{directory} is not a directory")
-    if method in NEEDS_AMX:
+    if method in QUANTIZES_ONLINE:
         shards = _found(directory, "_layer_*/_numa_*/*.kt")
         if shards:
             layers = _found(directory, "_layer_*")
@@ -207,7 +205,7 @@ def check_weights(method: str | None, weight_path: str | None, model_dir: str | 
         return Verdict(
             "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
         )
-    pattern = "**/*.gguf" if method == "LLAMAFILE" else "**/*.safetensors" if method in READS_SAFETENSORS else None
+    pattern = "**/*.gguf" if method == "LLAMAFILE" else "**/*.safetensors" if method in READS_HF_CHECKPOINT else None
     if pattern is None:
         return Verdict("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
     count = _found(directory, pattern)

@@ -84,6 +84,19 @@ def _gb(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
 
+def fixed_num_gpu_experts(kt: KTEnvConfig, experts: int) -> GPUExpertBudget | None:
+    """The count KT_GPU_EXPERTS_RATIO or a numeric KT_NUM_GPU_EXPERTS gives, without the
+    model's sizes; None for ``auto``."""
+    if kt.gpu_experts_ratio is not None:
+        count = round(kt.gpu_experts_ratio * experts)
+        return GPUExpertBudget(count, f"KT_GPU_EXPERTS_RATIO={kt.gpu_experts_ratio:g} of {experts} -> {count}")
+    if kt.gpu_experts_auto:
+        return None
+    if kt.num_gpu_experts > experts:
+        raise error_for("KT_NUM_GPU_EXPERTS", str(kt.num_gpu_experts), f"the model has {experts} routed experts")
+    return GPUExpertBudget(kt.num_gpu_experts, f"KT_NUM_GPU_EXPERTS={kt.num_gpu_experts}")
+
+
 def resolve_num_gpu_experts(
     kt: KTEnvConfig,
     memory: ModelMemory,
@@ -95,14 +108,9 @@ def resolve_num_gpu_experts(
     """GPU experts per layer from the settings: a number, a ratio of the layer's experts,
     or ``auto`` (fit the device). ``KT_GPU_MEMORY_GB``, when set, replaces the measured
     ``device_total_bytes`` (None where vLLM's platform has no GPU)."""
-    experts = memory.num_experts
-    if kt.gpu_experts_ratio is not None:
-        count = round(kt.gpu_experts_ratio * experts)
-        return GPUExpertBudget(count, f"KT_GPU_EXPERTS_RATIO={kt.gpu_experts_ratio:g} of {experts} -> {count}")
-    if not kt.gpu_experts_auto:
-        if kt.num_gpu_experts > experts:
-            raise error_for("KT_NUM_GPU_EXPERTS", str(kt.num_gpu_experts), f"the model has {experts} routed experts")
-        return GPUExpertBudget(kt.num_gpu_experts, f"KT_NUM_GPU_EXPERTS={kt.num_gpu_experts}")
+    fixed = fixed_num_gpu_experts(kt, memory.num_experts)
+    if fixed is not None:
+        return fixed
     if kt.gpu_memory_gb is not None:
         device_total_bytes = int(kt.gpu_memory_gb * GIB)
     if device_total_bytes is None:

@@ -7,15 +7,16 @@ planned together because front-loading spreads one total over them.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_kt_plugin.env_config import LOGGER_NAME, KTConfigError, KTEnvConfig
-from vllm_kt_plugin.gpu_budget import measured_device_total_bytes, resolve_num_gpu_experts
+from vllm_kt_plugin.gpu_budget import fixed_num_gpu_experts, measured_device_total_bytes, resolve_num_gpu_experts
 from vllm_kt_plugin.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
-from vllm_kt_plugin.placement import ExpertPlacement, plan_placements_from_settings
+from vllm_kt_plugin.placement import ExpertPlacement, plan_placements, plan_placements_from_settings
+from vllm_kt_plugin.routing_profile import RoutingProfile, load_routing_profile
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -57,14 +58,22 @@ class LayerPlan:
         self.placements: dict[int, ExpertPlacement] | None = None
         self.num_gpu_experts = 0
 
+    @functools.cached_property
+    def profile(self) -> RoutingProfile | None:
+        """KT_EXPERT_PROFILE, read once for all layers (frequency placement only)."""
+        return load_routing_profile(self.kt.expert_profile) if self.kt.expert_placement == "frequency" else None
+
+    def _place(self, strategy: str, layers: Sequence[int], num_experts: int) -> dict[int, ExpertPlacement]:
+        seed = self.kt.expert_placement_seed
+        return plan_placements(strategy, layers, num_experts, self.num_gpu_experts, seed=seed, profile=self.profile)
+
     def placement_for(self, layer_idx: int, num_experts: int) -> ExpertPlacement:
         if self.placements is None:
             self.placements = self._plan(num_experts)
         placement = self.placements.get(layer_idx)
         if placement is None:  # a layer the config does not list (e.g. built on its own)
             strategy = "uniform" if self.kt.expert_placement in NEEDS_ALL_LAYERS else self.kt.expert_placement
-            kt = replace(self.kt, expert_placement=strategy)
-            placement = plan_placements_from_settings(kt, [layer_idx], num_experts, self.num_gpu_experts)[layer_idx]
+            placement = self._place(strategy, [layer_idx], num_experts)[layer_idx]
             self.placements[layer_idx] = placement
         return placement
 
@@ -73,8 +82,10 @@ class LayerPlan:
 
         vllm_config = get_current_vllm_config()
         memory = model_memory(self.kt, vllm_config.model_config.hf_config.to_dict())
-        if memory is None:
-            self.num_gpu_experts = self._count_without_sizes(num_experts)
+        if memory is None:  # model_memory refused auto and front-loading already
+            fixed = fixed_num_gpu_experts(self.kt, num_experts)
+            assert fixed is not None
+            self.num_gpu_experts = fixed.num_gpu_experts
             return {}
         budget = resolve_num_gpu_experts(
             self.kt,
@@ -85,9 +96,4 @@ class LayerPlan:
         )
         self.num_gpu_experts = budget.num_gpu_experts
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.kt.expert_placement)
-        return plan_placements_from_settings(self.kt, memory.moe_layers, num_experts, budget.num_gpu_experts)
-
-    def _count_without_sizes(self, num_experts: int) -> int:
-        if self.kt.gpu_experts_ratio is not None:
-            return round(self.kt.gpu_experts_ratio * num_experts)
-        return self.kt.num_gpu_experts
+        return self._place(self.kt.expert_placement, memory.moe_layers, num_experts)

@@ -155,7 +155,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         chunk = kt.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)
 
         self.layer_name = prefix
-        self.placement = quant_config.layer_plan.placement_for(layer_idx_of(prefix), layer.global_num_experts)
+        self.layer_idx = layer_idx_of(prefix)
+        self.placement = quant_config.layer_plan.placement_for(self.layer_idx, layer.global_num_experts)
         self.gpu_slot_of = self.placement.gpu_slot_of()
         self.hidden_size = moe.hidden_dim
 
@@ -306,8 +307,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN, where the next decoder layer is a kt-hybrid
         layer of this process that will add the deferred experts; else 0 (e.g. on the
         last MoE layer), so that no expert output is ever dropped."""
-        idx = self.cpu.spec.layer_idx if self.cpu is not None else -1
-        next_is_hybrid = any(m.cpu is not None and m.cpu.spec.layer_idx == idx + 1 for m in _LAYERS.values())
+        next_is_hybrid = any(m.cpu is not None and m.layer_idx == self.layer_idx + 1 for m in _LAYERS.values())
         return self.kt.max_deferred_experts_per_token if next_is_hybrid else 0
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig | None:
@@ -344,7 +344,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
         if RECORDER.enabled:
-            RECORDER.record(layer_idx_of(self.layer_name), topk_ids, self.placement.gpu_mask)
+            RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
         span = self.metrics.start(x) if self.metrics is not None and self.cpu is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
@@ -362,7 +362,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
         result = cpu_out.clone() if out is None else out + cpu_out
         if span is not None:
-            self.metrics.finish(self.cpu.spec.layer_idx, span)
+            self.metrics.finish(self.layer_idx, span)
         return result
 
     def _gpu_experts(

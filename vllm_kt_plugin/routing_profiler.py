@@ -37,7 +37,8 @@ class RoutingRecorder:
         picks = torch.bincount(ids, minlength=gpu_mask.numel())
         self.counts[layer_idx] = self.counts.get(layer_idx, torch.zeros_like(picks)) + picks
         self.cpu_evaluations[layer_idx] = self.cpu_evaluations.get(layer_idx, 0) + int(picks[~gpu_mask].sum())
-        self.gpu_experts[layer_idx] = torch.nonzero(gpu_mask).flatten().tolist()
+        if layer_idx not in self.gpu_experts:  # a layer's placement is fixed
+            self.gpu_experts[layer_idx] = torch.nonzero(gpu_mask).flatten().tolist()
 
 
 RECORDER = RoutingRecorder()

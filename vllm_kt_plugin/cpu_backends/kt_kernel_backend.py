@@ -32,12 +32,12 @@ READS_HF_CHECKPOINT = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "
 # Methods kt-kernel quantizes online from BF16 tensors (load_weights_from_tensors); it
 # runs them with AMX tiles where the CPU has them, else with AVX-512.
 QUANTIZES_ONLINE = frozenset({"AMXINT4", "AMXINT8"})
-# kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
-# loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
-# every GPU weight; we check them at config time.
 # kt-kernel 0.7.2's AMX kernels tile hidden and expert-intermediate sizes in these steps;
 # other sizes fail ("n or k is not aligned") or crash, so they are refused up front.
 ONLINE_ALIGNMENT = {"AMXINT4": 128, "AMXINT8": 64}
+# kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
+# loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
+# every GPU weight; we check them at config time.
 KERNEL_FLAGS = {
     "AMXINT4": ("_HAS_AMXINT4_SUPPORT",),
     "AMXINT8": ("_HAS_AMXINT8_SUPPORT",),
