@@ -19,12 +19,12 @@ lscpu >> "$BENCH_OUT/host.txt" 2>&1
 
 if [ -z "${SKIP_GPU_TESTS:-}" ]; then
   stage "gpu tests"
-  python3 -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider > "$BENCH_OUT/gpu-tests.log" 2>&1
+  python3 -m pytest -m gpu tests/engine/test_gpu.py -v -rs -p no:cacheprovider > "$BENCH_OUT/gpu-tests.log" 2>&1
   stage "gpu tests exit $?"
 fi
 
 stage "bench"
-python3 -m vllm_kt_plugin.cli bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --methods AMXINT4,AMXINT8 \
+python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --methods AMXINT4,AMXINT8 \
     --workdir /root/bench-work --out "$BENCH_OUT/h200_qwen3_30b_a3b.json" > "$BENCH_OUT/bench.log" 2>&1
 stage "bench exit $?"
 tar czf "$BENCH_OUT/bench-logs.tgz" -C /root/bench-work logs 2>/dev/null

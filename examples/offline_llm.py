@@ -10,11 +10,11 @@ the KT_* variables before the engine starts.
 import os
 import sys
 
-from vllm_kt_plugin.cli import DEFAULT_WORKDIR
-from vllm_kt_plugin.tiny_models import chat_prompt, tiny_model_dir
+from vllm_kt_plugin.settings.catalogue import cache_root
+from vllm_kt_plugin.support.tiny_models import chat_prompt, tiny_model_dir
 
 if __name__ == "__main__":  # vLLM starts worker processes: keep the guard
-    model = sys.argv[1] if len(sys.argv) > 1 else str(tiny_model_dir("qwen3_moe", DEFAULT_WORKDIR))
+    model = sys.argv[1] if len(sys.argv) > 1 else str(tiny_model_dir("qwen3_moe", cache_root()))
     os.environ.setdefault("KT_NUM_GPU_EXPERTS", "4")  # of 8 per layer; the rest on kt-kernel
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # only read by vLLM's CPU build
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -24,7 +21,7 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch."""
-    from vllm_kt_plugin.tiny_models import tiny_model_dir
+    from vllm_kt_plugin.support.tiny_models import tiny_model_dir
 
     root = _cache_root(tmp_path_factory)
 
@@ -39,9 +36,9 @@ def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obj
     """A single-process vLLM world (gloo) and a VllmConfig, enough to build MoE layers
     the way a model does. Yields the VllmConfig's model dir-less factory context."""
     import transformers
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.utils.network_utils import get_open_port
+    from vllm.config import ModelConfig, VllmConfig
+
+    from vllm_kt_plugin.support.moe_layers import vllm_world
 
     model_dir = tmp_path_factory.mktemp("config-only")
     transformers.Qwen3MoeConfig(
@@ -57,13 +54,5 @@ def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obj
         dtype="bfloat16",
     ).save_pretrained(model_dir)
     vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True))
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+    with vllm_world(vllm_config):
         yield vllm_config

@@ -20,7 +20,7 @@ def register() -> None:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from vllm_kt_plugin.quant_config import QUANT_NAME, KTHybridConfig
+    from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig
 
     register_quantization_config(QUANT_NAME)(KTHybridConfig)
     _registered = True

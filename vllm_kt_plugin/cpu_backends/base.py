@@ -9,8 +9,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_kt_plugin.env_config import KTEnvConfig
-from vllm_kt_plugin.placement import ExpertPlacement
+from vllm_kt_plugin.planning.placement import ExpertPlacement
+from vllm_kt_plugin.settings.variables import KTSettings
+
+# The shards of one expert, as vLLM's expert weight loaders name them: gate, up, down.
+EXPERT_SHARDS = ("w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
@@ -73,17 +76,17 @@ class CPUExperts(ABC):
 
     @classmethod
     @abstractmethod
-    def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
+    def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
         """Config-time checks; raise KTConfigError naming the variable on a mistake."""
 
     @classmethod
-    def check_model_dir(cls, config: KTEnvConfig, model_dir: str) -> None:
+    def check_model_dir(cls, settings: KTSettings, model_dir: str) -> None:
         """Checks against the local model directory, once vLLM names it (default: none)."""
         return
 
-    def __init__(self, spec: LayerSpec, config: KTEnvConfig) -> None:
+    def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
         self.spec = spec
-        self.config = config
+        self.settings = settings
 
     @property
     def wants_all_experts(self) -> bool:

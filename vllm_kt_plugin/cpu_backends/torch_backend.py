@@ -12,11 +12,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
-from vllm_kt_plugin.env_config import KTConfigError, KTEnvConfig, error_for
+from vllm_kt_plugin.cpu_backends.base import EXPERT_SHARDS, CheckpointFormat, CPUExperts, LayerSpec
 from vllm_kt_plugin.hookspecs import hookimpl
-
-SHARDS = ("w1", "w3", "w2")  # gate, up, down
+from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.variables import KTSettings
 
 
 class TorchExperts(CPUExperts):
@@ -27,33 +26,38 @@ class TorchExperts(CPUExperts):
         return "BF16"
 
     @classmethod
-    def validate(cls, config: KTEnvConfig, checkpoint: CheckpointFormat) -> None:
-        if config.method not in (None, "BF16"):
-            raise error_for("KT_METHOD", config.method, "KT_BACKEND=torch computes BF16 experts only")
+    def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
+        if settings.method not in (None, "BF16"):
+            raise KTConfigError("KT_METHOD", settings.method, "KT_BACKEND=torch computes BF16 experts only")
         if checkpoint.quant_method is not None:
             raise KTConfigError(
-                f"KT_BACKEND=torch computes from unquantized expert tensors, but this "
-                f"checkpoint is {checkpoint.quant_method}-quantized; allowed: KT_BACKEND=kt_kernel."
+                "KT_BACKEND",
+                "torch",
+                f"KT_BACKEND=torch computes from unquantized expert tensors, but this checkpoint is "
+                f"{checkpoint.quant_method}-quantized",
+                "kt_kernel for a quantized checkpoint",
             )
-        if config.max_deferred_experts_per_token:
-            raise error_for(
+        if settings.max_deferred_experts_per_token:
+            raise KTConfigError(
                 "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN",
-                str(config.max_deferred_experts_per_token),
+                str(settings.max_deferred_experts_per_token),
                 "KT_BACKEND=torch does not defer experts; use 0",
             )
-        if config.weight_path is not None:
-            raise error_for("KT_WEIGHT_PATH", config.weight_path, "KT_BACKEND=torch reads no weight files; unset it")
+        if settings.weight_path is not None:
+            raise KTConfigError(
+                "KT_WEIGHT_PATH", settings.weight_path, "KT_BACKEND=torch reads no weight files; unset it"
+            )
 
-    def __init__(self, spec: LayerSpec, config: KTEnvConfig) -> None:
-        super().__init__(spec, config)
-        self.cpu_experts = spec.placement.cpu_experts()
+    def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
+        super().__init__(spec, settings)
+        self.cpu_experts = spec.placement.cpu_expert_ids()
         self._index = {e: i for i, e in enumerate(self.cpu_experts)}
         self._shards: dict[tuple[int, str], torch.Tensor] = {}
         self.gate = self.up = self.down = torch.empty(0)
         self._result: torch.Tensor | None = None
 
     def load_checkpoint_tensor(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
-        if shard_id in SHARDS and tensor.is_floating_point():
+        if shard_id in EXPERT_SHARDS and tensor.is_floating_point():
             self._shards[(expert_id, shard_id)] = tensor.detach().to("cpu", torch.float32, copy=True)
 
     def _stack(self, shard_id: str, shape: tuple[int, int]) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""kt-hybrid on a CUDA GPU: the CPU branch inside vLLM's default compilation (torch.compile
+and FULL_AND_PIECEWISE CUDA graphs) gives the tokens of eager mode and of plain vLLM.
+
+Skipped without a GPU (CI is CPU-only); run on a GPU box with
+``python -m pytest -m gpu tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engines import PROMPTS, generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.engine,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# BF16 CPU experts for 6 of 8 experts per layer, so most picks cross to the CPU.
+HYBRID = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": "BF16"}
+
+
+def ids(results: list) -> list[list[int]]:
+    return [r["ids"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model):
+    return tiny_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def plain_graphs(qwen3) -> list:
+    return generate(qwen3, PROMPTS, kt=None, VLLM_PLUGINS="")
+
+
+@pytest.fixture(scope="module")
+def hybrid_graphs(qwen3) -> list:
+    return generate(qwen3, PROMPTS, kt=HYBRID)
+
+
+def test_cuda_graphs_match_eager_mode(qwen3, hybrid_graphs: list) -> None:
+    eager = generate(qwen3, PROMPTS, kt=HYBRID, llm={"enforce_eager": True})
+    assert ids(hybrid_graphs) == ids(eager)
+
+
+def test_cuda_graphs_match_plain_vllm(plain_graphs: list, hybrid_graphs: list) -> None:
+    assert ids(hybrid_graphs) == ids(plain_graphs)
+
+
+def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: list) -> None:
+    """AMXINT8 quantized online on the first start, loaded from the cache on the second:
+    both give the same tokens, and stay close to plain vLLM (INT8 is approximate)."""
+    kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path)}
+    first = generate(qwen3, PROMPTS, kt=kt)
+    markers = sorted(tmp_path.rglob("vllm-kt.json"))
+    assert markers, "nothing was cached"
+    stamps = [m.stat().st_mtime_ns for m in markers]
+    second = generate(qwen3, PROMPTS, kt=kt)
+    assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
+    assert ids(first) == ids(second)
+    matching = sum(a == b for a, b in zip(ids(first), ids(plain_graphs), strict=True))
+    assert matching >= len(PROMPTS) - 1, (ids(first), ids(plain_graphs))

@@ -1,0 +1,68 @@
+"""``vllm-kt profile`` on a real engine, then KT_EXPERT_PLACEMENT=frequency with its
+profile: the most-picked experts go to the GPU and the CPU evaluates fewer experts on
+the same prompts than with the default (uniform) placement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.engines import ENGINE_TIMEOUT_S, PROMPTS, clean_env
+
+from vllm_kt_plugin.cli.profile import read_prompts
+from vllm_kt_plugin.planning.placement import most_used_experts
+
+
+def run_profile(model: Path, prompts: Path, out: Path, **kt: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_kt_plugin.cli.main", "profile", str(model), "--prompts", str(prompts)]
+        + ["--out", str(out), "--max-tokens", "16", "--max-model-len", "256"],
+        capture_output=True,
+        text=True,
+        env=clean_env(KT_METHOD="BF16", **kt),
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.engine
+def test_frequency_placement_moves_hot_experts_to_the_gpu(tiny_model, tmp_path: Path) -> None:
+    model = tiny_model("qwen3_moe")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    uniform = run_profile(model, prompts, tmp_path / "uniform.json", KT_NUM_GPU_EXPERTS="2")
+    assert len(uniform["layers"]) == 3 and uniform["num_experts"] == 8
+    assert all(experts == [0, 1] for experts in uniform["gpu_expert_ids"].values())
+    assert sum(map(sum, uniform["layers"].values())) > 0
+
+    frequency = run_profile(
+        model,
+        prompts,
+        tmp_path / "frequency.json",
+        KT_NUM_GPU_EXPERTS="2",
+        KT_EXPERT_PLACEMENT="frequency",
+        KT_EXPERT_PROFILE=str(tmp_path / "uniform.json"),
+    )
+    assert frequency["layers"] == uniform["layers"]  # same greedy tokens, same routing: same work
+    for layer, counts in uniform["layers"].items():
+        on_gpu = frequency["gpu_expert_ids"][layer]
+        assert on_gpu == most_used_experts(counts, 2)
+        assert min(counts[e] for e in on_gpu) >= max(c for e, c in enumerate(counts) if e not in on_gpu)
+    assert frequency["cpu_evaluations"] < uniform["cpu_evaluations"], (frequency, uniform)
+
+
+def test_prompt_files(tmp_path: Path) -> None:
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert read_prompts(text) == ["first prompt", "second prompt"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    assert read_prompts(jsonl) == ["a", "b", {"messages": [{"role": "user", "content": "c"}]}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"oops": 1}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+        read_prompts(bad)

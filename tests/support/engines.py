@@ -1,0 +1,64 @@
+"""Run real vLLM engines for the end-to-end tests, one child process per configuration
+(``vllm_kt_plugin.support.child``, the protocol the benchmark uses too)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vllm_kt_plugin.support.child import run_child
+from vllm_kt_plugin.support.tiny_models import chat_prompt
+
+HERE = Path(__file__).resolve().parent
+ENGINE_TIMEOUT_S = 900
+
+# The prompts every engine comparison uses: the tiny models' training text and one chat.
+PROMPTS = [
+    "The quick brown fox",
+    "A mixture of experts",
+    "vLLM serves",
+    "Once upon a time",
+    chat_prompt("What is the capital of France?"),
+]
+
+
+def install_zero_backend(root: Path) -> str:
+    """Make the test backend in support/plugins discoverable the way a pip-installed plugin
+    is: a dist-info directory with an entry point. Returns a PYTHONPATH entry."""
+    dist = root / "kt_test_backends-0.1.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kt-test-backends\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vllm_kt_plugin.cpu_backends]\nzeros = kt_zero_backend\n")
+    return os.pathsep.join([str(root), str(HERE / "plugins")])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
+def generate(
+    model: Path,
+    prompts: list[str],
+    *,
+    kt: dict[str, str] | None,
+    max_tokens: int = 24,
+    llm: dict | None = None,
+    **env: str,
+) -> list:
+    """Greedy completions from a fresh engine; ``kt=None`` runs plain vLLM (no plugin).
+    ``llm``: extra keyword arguments for vllm.LLM (e.g. enforce_eager)."""
+    llm_args = {"quantization": "kt-hybrid"} if kt is not None else {}
+    llm_args.update(llm or {})
+    args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
+    run = run_child(
+        "vllm_kt_plugin.support.greedy:greedy_completions",
+        args,
+        env=clean_env(**(kt or {}), **env),
+        timeout_s=ENGINE_TIMEOUT_S,
+    )
+    if run.result is None:
+        raise AssertionError(f"engine failed (exit {run.returncode}):\n{run.log[-6000:]}")
+    return list(run.result)

@@ -1,0 +1,54 @@
+"""The benchmark's planning (pure logic; the measurements themselves need a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vllm_kt_plugin.bench.engine_runs import SHAPES, model_sizes, plan_runs
+from vllm_kt_plugin.bench.report import best_hybrid
+from vllm_kt_plugin.cli.bench import add_arguments
+from vllm_kt_plugin.settings.catalogue import GIB
+
+
+def args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_qwen3_30b_plan_holds_the_same_gpu_weight_memory() -> None:
+    """57 GiB of weights (vLLM measured 56.88 GiB on the H200); 17 GiB on the GPU leaves
+    room for 33 of 128 experts per layer, and --cpu-offload-gb 40 for plain vLLM."""
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    assert abs(sizes.total_bytes / GIB - 56.88) < 0.05
+    runs = plan_runs(args("--gpu-weight-gb", "17"), "/m", "dummy", sizes)
+    assert [(r.system, r.method) for r in runs] == [
+        ("vllm-gpu", "bf16"),
+        ("vllm-offload", "bf16"),
+        ("kt-hybrid", "AMXINT4"),
+        ("kt-hybrid", "AMXINT8"),
+    ]
+    assert runs[1].cpu_offload_gb == 40
+    hybrid = runs[2]
+    assert hybrid.env == {"KT_METHOD": "AMXINT4", "KT_NUM_GPU_EXPERTS": "33"}
+    assert 16.5 < hybrid.gpu_weight_gb <= 17
+
+
+def test_real_weights_add_bf16_cpu_experts() -> None:
+    runs = plan_runs(args("--systems", "kt-hybrid"), "/m", "auto", model_sizes(SHAPES["qwen3-30b-a3b"]))
+    assert [r.method for r in runs] == ["AMXINT4", "AMXINT8", "BF16"]
+
+
+def test_committed_h200_result_has_the_reported_fields() -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200_qwen3_30b_a3b.json"
+    report = json.loads(path.read_text())
+    systems = {r["system"] for r in report["runs"]}
+    assert systems == {"vllm-gpu", "vllm-offload", "kt-hybrid"}
+    for run in report["runs"]:
+        assert {"method", "gpu_weight_gb", "decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s"} <= set(run)
+    best = best_hybrid(report["runs"])
+    assert best is not None and report["layer_benchmark"]["method"] == best["method"]
+    assert report["plugin_overhead"] == report["layer_benchmark"]["tokens"]["1"]["plugin_overhead"]
+    assert report["overlap_efficiency"] == report["layer_benchmark"]["tokens"]["1"]["overlap_efficiency"]

@@ -1,0 +1,261 @@
+"""``vllm-kt doctor``: each check's verdict on given machine contents, and the command on
+this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_kt_plugin.cli.doctor import (
+    ERROR,
+    OK,
+    WARN,
+    SystemInfo,
+    check_cpu,
+    check_numa,
+    check_ram,
+    check_threads,
+    check_versions,
+    check_weights,
+    cpu_flags_from_cpuinfo,
+    doctor,
+    mem_available_from_meminfo,
+    run_checks,
+)
+from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SAPPHIRE_RAPIDS_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+flags\t\t: fpu sse sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+ZEN4_FLAGS = frozenset(["avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
+MEMINFO = "MemTotal:       1056000000 kB\nMemFree:         9000000 kB\nMemAvailable:   1000000000 kB\n"
+VERSIONS = {"kt-kernel": "0.7.2", "vllm": "0.32.0", "torch": "2.13.0"}
+QWEN3_30B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_experts": 128,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+}
+
+
+def machine(**changes: object) -> SystemInfo:
+    """A two-socket AMX host with 1 TB of RAM, unless told otherwise."""
+    base = {
+        "cpu_flags": cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO),
+        "usable_cores": 112,
+        "numa_nodes": 2,
+        "mem_available_bytes": mem_available_from_meminfo(MEMINFO),
+        "versions": VERSIONS,
+    }
+    return SystemInfo(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_proc_readers() -> None:
+    flags = cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO)
+    assert {"amx_tile", "amx_int8", "avx512_bf16"} <= flags and "flags" not in flags
+    assert cpu_flags_from_cpuinfo("processor : 0\n") == frozenset()
+    assert mem_available_from_meminfo(MEMINFO) == 1_000_000_000 * 1024
+    assert mem_available_from_meminfo("MemTotal: 1 kB\n") is None
+
+
+@pytest.mark.parametrize(
+    "method,flags,level,words",
+    [
+        ("AMXINT4", cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO), OK, "AMX present"),
+        ("AMXINT8", ZEN4_FLAGS, WARN, "AVX-512 kernels"),
+        ("BF16", ZEN4_FLAGS, OK, "AVX-512 with BF16"),
+        ("BF16", frozenset({"avx2", "avx512f", "avx512bw"}), WARN, "without avx512_bf16"),
+        ("FP8", frozenset({"avx2"}), WARN, "AVX2 only"),
+        ("BF16", frozenset({"sse2"}), ERROR, "no AVX2"),
+        (None, ZEN4_FLAGS, OK, "slow here: AMXINT4, AMXINT8;"),
+        (None, frozenset({"sse2"}), ERROR, "fast here: none; slow here: none"),
+    ],
+)
+def test_cpu_features_against_the_method(method: str | None, flags: frozenset[str], level: str, words: str) -> None:
+    verdict = check_cpu(method, flags)
+    assert (verdict.level, words in verdict.reason) == (level, True), verdict
+
+
+def test_all_cores_warns_of_oversubscription() -> None:
+    verdict = check_threads(112, 112)
+    assert verdict.level == WARN and "13-26x" in verdict.reason and "KT_CPUINFER=110" in verdict.reason
+    assert check_threads(110, 112).level == OK
+
+
+@pytest.mark.parametrize("pools,nodes,level", [(3, 2, ERROR), (1, 2, WARN), (2, 2, OK), (1, 1, OK)])
+def test_thread_pools_against_numa_nodes(pools: int, nodes: int, level: str) -> None:
+    assert check_numa(pools, nodes).level == level
+
+
+def test_versions() -> None:
+    verdicts = check_versions({"kt-kernel": None, "vllm": "0.31.1", "torch": "2.13.0"}, "kt_kernel")
+    assert [v.level for v in verdicts] == [ERROR, WARN, OK]
+    assert check_versions({"kt-kernel": None}, "torch")[0].level == WARN
+
+
+def test_amx_weights_in_kt_layout(tmp_path: Path) -> None:
+    for layer in range(3):
+        for numa in range(2):
+            shard = tmp_path / f"_layer_{layer}" / f"_numa_{numa}"
+            shard.mkdir(parents=True)
+            (shard / "INT4_down_0_Byte_quant_.kt").write_bytes(b"")
+    verdict = check_weights("AMXINT4", str(tmp_path), None)
+    assert verdict.level == OK and "3 layers x 2 NUMA shard(s)" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    "method,file,level",
+    [
+        ("AMXINT4", "model.safetensors", OK),  # kt quant's merged output
+        ("AMXINT4", "model.gguf", ERROR),
+        ("LLAMAFILE", "sub/model-Q4_K_M.gguf", OK),
+        ("LLAMAFILE", "model.safetensors", ERROR),
+        ("BF16", "model-00001.safetensors", OK),
+        ("FP8", "model.gguf", ERROR),
+        ("MOE_INT4", "anything.bin", WARN),
+    ],
+)
+def test_weight_files_against_the_method(tmp_path: Path, method: str, file: str, level: str) -> None:
+    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / file).write_bytes(b"")
+    assert check_weights(method, str(tmp_path), None).level == level
+
+
+def test_weights_default_to_the_model_dir_only_for_checkpoint_methods(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert check_weights("BF16", None, str(tmp_path)).level == OK
+    assert check_weights("AMXINT4", None, str(tmp_path)).level == OK  # quantized online, cached
+    assert check_weights("BF16", None, None).level == WARN
+
+
+def test_ram_against_the_cpu_experts() -> None:
+    need = estimate_model_memory(QWEN3_30B).cpu_expert_bytes("BF16")
+    assert need is not None and 50 * GIB < need < 60 * GIB  # 48 layers x 128 experts x 9 MiB
+    assert check_ram("BF16", QWEN3_30B, need - 1).level == ERROR
+    assert check_ram("BF16", QWEN3_30B, int(need / 0.95)).level == WARN
+    assert check_ram("BF16", QWEN3_30B, 2 * need).level == OK
+    assert check_ram("AMXINT4", QWEN3_30B, need // 2).level == OK  # int4 is a quarter of bf16
+    assert check_ram("LLAMAFILE", QWEN3_30B, need).level == WARN
+    assert check_ram("BF16", None, need).level == WARN
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+def test_good_setup_exits_zero(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"KT_METHOD": "BF16", "KT_CPUINFER": "100", "KT_THREADPOOL_COUNT": "2"}
+    assert doctor(str(model_dir), env, machine()) == 0
+    out = capsys.readouterr().out
+    assert "0 error(s), 0 warning(s)" in out
+    for check in ("settings", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"):
+        assert f"OK     {check}" in out, out
+
+
+def test_default_method_follows_the_checkpoint(model_dir: Path) -> None:
+    verdicts = run_checks({}, machine(), str(model_dir))
+    cpu = next(v for v in verdicts if v.check == "cpu")
+    assert cpu.level == OK and "KT_METHOD=BF16" in cpu.reason
+
+
+def test_every_problem_is_reported(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small_amd = machine(
+        cpu_flags=ZEN4_FLAGS,
+        usable_cores=16,
+        numa_nodes=1,
+        mem_available_bytes=mem_available_from_meminfo("MemAvailable:   8000000 kB\n"),
+    )
+    env = {"KT_METHOD": "AMXINT4", "KT_CPUINFER": "16", "KT_WEIGHT_PATH": str(model_dir / "missing")}
+    assert doctor(str(model_dir), env, small_amd) == 1
+    out = capsys.readouterr().out
+    assert "ERROR  settings   KT_WEIGHT_PATH=" in out  # a bad variable is still reported, the rest still runs
+    assert "WARN   cpu" in out and "WARN   threads" in out and "ERROR  ram" in out
+    assert "ERROR  weights    " + str(model_dir / "missing") + " is not a directory" in out
+
+
+def test_unreadable_model_config(tmp_path: Path) -> None:
+    verdicts = run_checks({"KT_METHOD": "BF16"}, machine(), str(tmp_path))
+    assert any(v.check == "model" and v.level == ERROR and "config.json" in v.reason for v in verdicts)
+
+
+def test_doctor_command_on_this_machine() -> None:
+    """The real command, reading this machine's /proc: the CPU verdict follows its flags,
+    and the exit status follows the verdicts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["KT_METHOD"] = "AMXINT4"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_kt_plugin.cli.main", "doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    lines = proc.stdout.splitlines()
+    verdict_of = {line.split()[1]: line.split()[0] for line in lines[:-1]}
+    assert set(verdict_of) == {"settings", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"}
+    has_amx = {"amx_tile", "amx_int8"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+    has_avx512 = {"avx512f", "avx512bw"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
+    assert verdict_of["cpu"] == (OK if has_amx else WARN if has_avx512 else ERROR), proc.stdout
+    assert verdict_of["weights"] == OK  # AMXINT4 without KT_WEIGHT_PATH: quantized online
+    errors = list(verdict_of.values()).count(ERROR)
+    assert proc.returncode == (1 if errors else 0) and lines[-1].startswith(f"{errors} error(s)")
+
+
+@pytest.mark.parametrize(
+    "flags,features,fast,slow,impossible",
+    [
+        (
+            cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO),
+            "AMX yes, AVX-512 yes, AVX-512-BF16 yes, AVX2 yes",
+            {"AMXINT4", "AMXINT8", "BF16", "FP8", "GPTQ_INT4"},
+            set(),
+            {"SYCL_GPTQ_INT4"},
+        ),
+        (ZEN4_FLAGS, "AMX no, AVX-512 yes, AVX-512-BF16 yes", {"BF16", "FP8"}, {"AMXINT4", "AMXINT8"}, set()),
+        (
+            frozenset({"avx", "avx2"}),
+            "AMX no, AVX-512 no, AVX-512-BF16 no, AVX2 yes",
+            set(),
+            {"BF16", "FP8", "GPTQ_INT4", "LLAMAFILE"},
+            {"AMXINT4", "AMXINT8", "FP8_PERCHANNEL"},
+        ),
+    ],
+)
+def test_doctor_with_nothing_set_says_what_this_cpu_runs(
+    flags: frozenset[str], features: str, fast: set[str], slow: set[str], impossible: set[str]
+) -> None:
+    """The first thing a new user types: no KT_* variable, no model. The cpu verdict
+    names the CPU's features and sorts every KT_METHOD into fast / slow / impossible."""
+    verdicts = run_checks({}, machine(cpu_flags=flags))
+    cpu = next(v for v in verdicts if v.check == "cpu")
+    assert cpu.reason.startswith(features), cpu.reason
+    listed = dict(part.split(" here: ") for part in cpu.reason.split(". KT_METHOD ")[1].split("; "))
+    sorted_methods = {speed: set(methods.split(", ")) - {"none"} for speed, methods in listed.items()}
+    assert fast <= sorted_methods["fast"] and slow <= sorted_methods["slow"], sorted_methods
+    assert impossible <= sorted_methods["impossible"], sorted_methods
+    assert set().union(*sorted_methods.values()) == set(KT_METHODS)  # every method, once
+    assert sum(map(len, sorted_methods.values())) == len(KT_METHODS)

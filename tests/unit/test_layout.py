@@ -1,0 +1,101 @@
+"""The package's shape: a one-way stack of modules (no import cycles, deferred imports
+included), the settings catalogue at the bottom, and kt-kernel's method list in step with
+the copy the catalogue keeps."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_kt_plugin"
+
+
+def module_name(path: Path) -> str:
+    parts = ["vllm_kt_plugin", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> package modules it imports anywhere (functions too; not TYPE_CHECKING)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if _under_type_checking(node, parents):
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in modules else node.module)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt] if nxt in path else [*path, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_no_import_cycles_counting_deferred_imports() -> None:
+    graph = package_imports()
+    assert len(graph) > 30  # the walk found the package
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_settings_catalogue_is_the_bottom() -> None:
+    """Like vLLM's envs.py: the catalogue imports nothing else from the package, the error
+    type only the catalogue."""
+    graph = package_imports()
+    assert graph["vllm_kt_plugin.settings.catalogue"] == set()
+    assert graph["vllm_kt_plugin.settings.errors"] == {"vllm_kt_plugin.settings.catalogue"}
+    assert not any(m.startswith(("vllm_kt_plugin.hybrid", "vllm_kt_plugin.cli")) for m in _reachable(graph))
+
+
+def _reachable(graph: dict[str, set[str]], start: str = "vllm_kt_plugin.settings.loader") -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_catalogue_methods_are_kt_kernels() -> None:
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kt_inference_methods
+    from vllm_kt_plugin.planning.model_memory import KT_METHOD_BYTES_PER_WEIGHT
+    from vllm_kt_plugin.settings.catalogue import KT_METHODS
+
+    assert set(KT_METHODS) == kt_inference_methods()
+    assert set(KT_METHOD_BYTES_PER_WEIGHT) == set(KT_METHODS) - {"LLAMAFILE"}  # GGUF: size per tensor type

@@ -1,0 +1,300 @@
+"""The kt-hybrid MoE method on real vLLM MoE layers (built by FusedMoEFactory, loaded
+through vLLM's expert weight loader), against a dense float32 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from support.hardware import requires_kernel
+
+from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
+from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
+from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.support.moe_layers import (
+    HIDDEN,
+    INTER,
+    build_moe,
+    checkpoint_items,
+    fresh_layer_index,
+    load,
+    random_experts,
+    random_routing,
+    reference_moe,
+)
+
+E, K = 8, 2
+# bf16 output of the native kernel plus bf16 rounding of the sum: |err| <= ~2 ulp.
+ATOL_REL = 2**-7
+
+
+def kt_config(**env: str) -> KTHybridConfig:
+    return KTHybridConfig(settings=load_settings({k.upper(): v for k, v in env.items()}, cores=4))
+
+
+def expert_numel(layer: torch.nn.Module) -> int:
+    return sum(p.numel() for name, p in layer.named_parameters() if name.startswith(("w13", "w2")))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ATOL_REL * ref.abs().max().item() * 2, (err, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_gpu", [0, 1, 3, 8])
+def test_torch_backend_matches_dense_reference(vllm_layer_context, num_gpu: int) -> None:
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts=str(num_gpu)))
+    layer = runner.routed_experts
+    assert isinstance(layer.quant_method, KTHybridMoEMethod)
+    experts = random_experts(E, seed=num_gpu)
+    load(runner, experts)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=2)
+    out = layer.quant_method.apply(layer, x, weights, ids, None, None)
+    assert_close(out, reference_moe(x, ids, weights, experts))
+
+
+def test_whole_layer_matches_plain_vllm(vllm_layer_context) -> None:
+    """Router, scaling and the combine stay vLLM's: same layer output as without kt-hybrid."""
+    experts = random_experts(E, seed=7)
+    plain = build_moe(None)
+    hybrid = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    load(plain, experts)
+    load(hybrid, experts)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, HIDDEN, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(32, E, generator=gen).to(torch.bfloat16)
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, vllm_layer_context):
+        expected = plain._forward_impl(x, logits, None)
+        got = hybrid._forward_impl(x, logits, None)
+    assert_close(got, expected.float())
+
+
+@pytest.mark.parametrize("num_gpu", [0, 2, 5, 8])
+def test_device_memory_scales_with_gpu_experts(vllm_layer_context, num_gpu: int) -> None:
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts=str(num_gpu)))
+    per_expert = 2 * INTER * HIDDEN + HIDDEN * INTER
+    assert expert_numel(runner.routed_experts) == num_gpu * per_expert
+
+
+def test_cpu_expert_tensors_never_reach_the_layer(vllm_layer_context) -> None:
+    """GPU experts land in their slots; CPU experts' tensors go to the CPU backend only."""
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    layer = runner.routed_experts
+    method = layer.quant_method
+    seen: list[int] = []
+    load_cpu = method.cpu.load_checkpoint_tensor
+    method.cpu.load_checkpoint_tensor = lambda e, s, t: (seen.append(e), load_cpu(e, s, t))
+    experts = random_experts(E, seed=11)
+    loaded = list(runner.load_weights(checkpoint_items(experts)))
+    assert sorted(set(loaded)) == ["routed_experts.w13_weight", "routed_experts.w2_weight"]
+    assert sorted(set(seen)) == [3, 4, 5, 6, 7]
+    for slot, expert in enumerate([0, 1, 2]):
+        assert torch.equal(layer.w2_weight[slot], experts[expert]["down_proj"])
+        assert torch.equal(layer.w13_weight[slot, :INTER], experts[expert]["gate_proj"])
+
+
+def test_any_subset_of_experts_can_be_on_the_gpu(vllm_layer_context, monkeypatch: pytest.MonkeyPatch) -> None:
+    placement = ExpertPlacement.from_gpu_expert_ids(E, [1, 4, 6])
+    monkeypatch.setattr(ExpertPlacement, "first_n", classmethod(lambda cls, n, k: placement))
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="3"))
+    layer = runner.routed_experts
+    experts = random_experts(E, seed=5)
+    list(runner.load_weights(checkpoint_items(experts)))
+    assert torch.equal(layer.w2_weight[1], experts[4]["down_proj"])  # expert 4 -> GPU slot 1
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=4)
+    assert_close(layer.quant_method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts))
+
+
+def write_kt_checkpoint(directory: Path, layers: dict[int, dict]) -> None:
+    """Experts of several decoder layers, named as in a Hugging Face checkpoint."""
+    tensors = {
+        f"model.layers.{idx}.mlp.experts.{e}.{n}.weight": t.contiguous()
+        for idx, experts in layers.items()
+        for e, ws in experts.items()
+        for n, t in ws.items()
+    }
+    save_file(tensors, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("num_gpu", [0, 4])
+def test_kt_kernel_backend_matches_dense_reference(vllm_layer_context, tmp_path: Path, num_gpu: int) -> None:
+    """Real kt-kernel BF16 experts (reading their own safetensors) in two consecutive vLLM
+    layers, called in turn with one batch size: kt-kernel reuses its buffers per batch
+    size and alternates them between layers, so stale results would show."""
+    idx = fresh_layer_index()
+    layers = {idx: random_experts(E, seed=21 + num_gpu), idx + 1: random_experts(E, seed=31 + num_gpu)}
+    assert fresh_layer_index() == idx + 1
+    write_kt_checkpoint(tmp_path, layers)
+    config = kt_config(kt_weight_path=str(tmp_path), kt_num_gpu_experts=str(num_gpu), kt_cpuinfer="1")
+    runners = {i: build_moe(config, layer_idx=i) for i in layers}
+    for i, runner in runners.items():
+        load(runner, layers[i])
+        assert type(runner.routed_experts.quant_method.cpu).__name__ == "KTKernelExperts"
+    for step in range(3):
+        for i, runner in runners.items():
+            layer = runner.routed_experts
+            x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(10 * step + i)).to(torch.bfloat16)
+            ids, weights = random_routing(8, E, K, seed=100 * step + i)
+            out = layer.quant_method.apply(layer, x, weights, ids, None, None)
+            assert_close(out, reference_moe(x, ids, weights, layers[i]))
+
+
+def test_deferral_only_into_a_following_hybrid_layer(vllm_layer_context) -> None:
+    """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN reaches kt-kernel only where the next decoder
+    layer is a kt-hybrid layer that adds the deferred experts (never on the last one)."""
+    config = kt_config(kt_max_deferred_experts_per_token="1", kt_num_gpu_experts="2")
+    first = fresh_layer_index()
+    assert [fresh_layer_index() for _ in range(3)] == [first + 1, first + 2, first + 3]  # reserved
+    methods = [build_moe(config, layer_idx=i).routed_experts.quant_method for i in (first, first + 1, first + 3)]
+    assert [m._deferral() for m in methods] == [1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "factory_args,reason",
+    [({"activation": "gelu"}, "SiLU-gated experts only"), ({"has_bias": True}, "biases")],
+)
+def test_what_kt_kernel_cannot_do_is_refused(vllm_layer_context, factory_args: dict, reason: str) -> None:
+    with pytest.raises(KTConfigError, match=reason):
+        build_moe(kt_config(), **factory_args)
+
+
+def test_route_to_gpu_slots() -> None:
+    placement = ExpertPlacement.from_gpu_expert_ids(6, [0, 2, 5])
+    ids = torch.tensor([[0, 1], [2, 5], [3, 4]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    slots, gpu_weights = route_to_gpu_slots(ids, weights, placement.gpu_slot_of())
+    assert slots.dtype == torch.int32
+    assert slots.tolist() == [[0, 0], [1, 2], [0, 0]]
+    assert torch.equal(gpu_weights, torch.tensor([[0.6, 0.0], [0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_placement_masks() -> None:
+    p = ExpertPlacement.first_n(8, 3)
+    assert p.gpu_mask.tolist() == [True] * 3 + [False] * 5
+    assert (p.num_gpu_experts, p.num_cpu_experts, p.cpu_expert_ids()) == (3, 5, [3, 4, 5, 6, 7])
+    assert p.gpu_slot_of().tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    q = ExpertPlacement.from_gpu_expert_ids(8, [7, 2])
+    assert q.gpu_slot_of().tolist() == [-1, -1, 0, -1, -1, -1, -1, 1]
+    assert q.describe() == "2 GPU experts [2, 7], 6 CPU experts"
+    with pytest.raises(ValueError):
+        ExpertPlacement.first_n(8, 9)
+
+
+# AMXINT8 quantization error on these random experts: ~2 % of the output norm (FACTS:
+# 0.027 at the Qwen3 shape); 6 % bounds it with room, and catches missing experts (100 %).
+AMXINT8_REL_ERR = 0.06
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def run_cpu(cpu, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    cpu.submit(x, ids, weights)
+    return cpu.sync(x).clone()
+
+
+def online_config(cache: Path, num_gpu: int) -> KTHybridConfig:
+    return kt_config(kt_method="AMXINT8", kt_cache_dir=str(cache), kt_num_gpu_experts=str(num_gpu), kt_cpuinfer="1")
+
+
+@requires_kernel("AMXINT8")
+def test_online_amx_weights_are_quantized_once_and_cached(vllm_layer_context, tmp_path: Path) -> None:
+    """AMXINT8 without KT_WEIGHT_PATH: the layer is quantized from the tensors vLLM loads
+    (GPU experts' too), cached, and a later start with another placement loads the cache."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
+
+    cache = tmp_path / "cache"
+    runner = build_moe(online_config(cache, num_gpu=3))
+    layer = runner.routed_experts
+    method = layer.quant_method
+    experts = random_experts(E, seed=41)
+    load(runner, experts)
+    folder = method.cpu.cache
+    idx = method.cpu.spec.layer_idx
+    assert folder is not None and folder.is_relative_to(cache)
+    assert (folder / f"_layer_{idx}" / "vllm-kt.json").is_file()
+    assert not method.cpu.wants_all_experts
+    x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16)
+    ids, weights = random_routing(16, E, K, seed=43)
+    assert rel_err(method.apply(layer, x, weights, ids, None, None), reference_moe(x, ids, weights, experts)) < (
+        AMXINT8_REL_ERR
+    )
+
+    # Next start, every expert on the CPU: nothing is handed over, all 8 come from the cache.
+    spec = method.cpu.spec
+    everything_on_cpu = ExpertPlacement.first_n(E, 0)
+    again = KTKernelExperts(type(spec)(**{**spec.__dict__, "placement": everything_on_cpu}), method.settings)
+    assert again.cache == folder and not again.wants_all_experts
+    marker_time = (folder / f"_layer_{idx}" / "vllm-kt.json").stat().st_mtime_ns
+    again.finalize_weights(0)
+    assert (folder / f"_layer_{idx}" / "vllm-kt.json").stat().st_mtime_ns == marker_time
+    assert rel_err(run_cpu(again, x, ids, weights), reference_moe(x, ids, weights, experts)) < AMXINT8_REL_ERR
+
+
+@requires_kernel("AMXINT8")
+def test_online_amx_weights_under_dummy_load_format(vllm_layer_context, tmp_path: Path) -> None:
+    """load_format=dummy hands over no tensors: the CPU experts get random weights in
+    vLLM's dummy range, cached apart from real weights; a real load missing them fails."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
+
+    method = build_moe(online_config(tmp_path, num_gpu=2)).routed_experts.quant_method
+    spec = type(method.cpu.spec)(**{**method.cpu.spec.__dict__, "load_format": "dummy"})
+    dummy = KTKernelExperts(spec, method.settings)
+    assert dummy.cache != method.cpu.cache and dummy.wants_all_experts
+    dummy.finalize_weights(0)
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(44)).to(torch.bfloat16)
+    ids, weights = random_routing(4, E, K, seed=45)
+    out = run_cpu(dummy, x, ids, weights)
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+    with pytest.raises(RuntimeError, match="lacked 24 of the 24 expert"):
+        method.cpu.finalize_weights(0)
+
+
+def test_amx_sizes_kt_kernel_cannot_tile_are_refused(
+    vllm_layer_context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kt-kernel's AMXINT4 kernels need multiples of 128 (it fails or crashes otherwise).
+    The size check runs before any kernel does, so it holds on CPUs without the kernel."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel import backend
+
+    monkeypatch.setattr(backend, "kernel_available", lambda method: True)
+    config = kt_config(kt_method="AMXINT4", kt_cache_dir=str(tmp_path), kt_num_gpu_experts="2")
+    with pytest.raises(KTConfigError, match="multiples of 128; this model has 128 and 64"):
+        build_moe(config)
+
+
+def test_layers_follow_kt_expert_placement(vllm_layer_context) -> None:
+    """KT_EXPERT_PLACEMENT reaches the layers vLLM builds: a seeded random subset here."""
+    from vllm_kt_plugin.planning.placement import random_gpu_experts
+
+    config = kt_config(kt_num_gpu_experts="3", kt_expert_placement="random", kt_expert_placement_seed="7")
+    idx = fresh_layer_index()
+    method = build_moe(config, layer_idx=idx).routed_experts.quant_method
+    expected = random_gpu_experts(E, 3, seed=7, layer_idx=idx)
+    assert method.placement.gpu_mask.nonzero().flatten().tolist() == expected != [0, 1, 2]
+    assert expert_numel(method._layer()) == 3 * (3 * INTER * HIDDEN)
+
+
+def test_auto_fits_the_gpu_experts_to_the_granted_memory(vllm_layer_context) -> None:
+    """KT_NUM_GPU_EXPERTS=auto with a faked device size (KT_GPU_MEMORY_GB): the count is
+    what fits beside the non-expert weights, for layers of the configured model."""
+    from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+
+    memory = estimate_model_memory(vllm_layer_context.model_config.hf_config.to_dict())
+    utilization = vllm_layer_context.cache_config.gpu_memory_utilization
+    # Room for exactly 5 experts per layer (plus half an expert) after the non-expert weights.
+    room = memory.non_expert_bytes + 5.5 * memory.num_moe_layers * memory.expert_bytes
+    gib = room / utilization / 2**30
+    config = kt_config(kt_num_gpu_experts="auto", kt_gpu_memory_gb=f"{gib:.9f}", kt_kv_cache_reserve_gb="0")
+    method = build_moe(config, layer_idx=memory.moe_layers[0]).routed_experts.quant_method
+    assert method.placement.num_gpu_experts == 5

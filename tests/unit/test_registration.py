@@ -1,0 +1,99 @@
+"""The plugin's registration contract with vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run_python(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter (a clean vLLM process); it prints JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_registers_nothing() -> None:
+    out = run_python(
+        """
+        import json, sys
+        import vllm_kt_plugin
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        deferred = ("vllm_kt_plugin.hybrid.quant_config", "vllm_kt_plugin.hybrid.moe_method", "kt_kernel")
+        heavy = [m for m in deferred if m in sys.modules]
+        print(json.dumps({"registered": "kt-hybrid" in QUANTIZATION_METHODS, "heavy": heavy}))
+        """
+    )
+    assert out == {"registered": False, "heavy": []}
+
+
+def test_vllm_loads_the_entry_point_and_register_is_idempotent() -> None:
+    out = run_python(
+        """
+        import json, time
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+        import vllm_kt_plugin, sys
+        start = time.perf_counter()
+        for _ in range(3):
+            vllm_kt_plugin.register()
+        print(json.dumps({
+            "count": QUANTIZATION_METHODS.count("kt-hybrid"),
+            "cls": get_quantization_config("kt-hybrid").__name__,
+            "kt_kernel_imported": "kt_kernel" in sys.modules,
+            "fused_moe_method_imported": "vllm_kt_plugin.hybrid.moe_method" in sys.modules,
+        }))
+        """
+    )
+    assert out == {"count": 1, "cls": "KTHybridConfig", "kt_kernel_imported": False, "fused_moe_method_imported": False}
+
+
+def test_vllm_plugins_can_exclude_it() -> None:
+    out = run_python(
+        """
+        import json
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        print(json.dumps({"registered": "kt-hybrid" in QUANTIZATION_METHODS}))
+        """,
+        VLLM_PLUGINS="lora_filesystem_resolver",
+    )
+    assert out == {"registered": False}
+
+
+MISSPELLED_PLUGIN = """
+from vllm_kt_plugin.hookspecs import hookimpl
+
+
+@hookimpl
+def kt_cpu_backend():  # the hook is kt_cpu_backends
+    return {}
+"""
+
+
+def test_a_misspelled_backend_hook_fails_loudly(tmp_path) -> None:
+    """A third-party backend whose hook name is misspelled is refused when the backends are
+    collected (pluggy's check_pending), naming the hook, instead of silently never offered."""
+    (tmp_path / "kt_misspelled.py").write_text(MISSPELLED_PLUGIN)
+    dist = tmp_path / "kt_misspelled-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kt-misspelled\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vllm_kt_plugin.cpu_backends]\nmisspelled = kt_misspelled\n")
+    code = "from vllm_kt_plugin.cpu_backends.registry import available_backends; available_backends()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "PluginValidationError" in proc.stderr and "kt_cpu_backend" in proc.stderr, proc.stderr[-3000:]
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]  # without the bad plugin, the same call works

@@ -1,0 +1,250 @@
+"""KT_* validation: every mistake is one line naming the variable, the value and what is
+allowed; raised while the quant config is built, before any weight exists."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
+from vllm_kt_plugin.cpu_backends.kt_kernel import backend as ktb
+from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME, VARIABLES
+from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.settings.variables import default_cpuinfer_threads
+
+UNQUANTIZED = CheckpointFormat()
+FP8_BLOCK = CheckpointFormat("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+
+
+def build(env: dict[str, str], checkpoint: CheckpointFormat = UNQUANTIZED, *, cores: int = 16, numa: int = 1):
+    """What KTHybridConfig does at config time: parse, pick the backend, validate."""
+    from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+
+    return KTHybridConfig._validated(load_settings(env, cores=cores, numa_nodes=numa), checkpoint)
+
+
+def assert_one_line_error(exc: pytest.ExceptionInfo, variable: str, value: str) -> None:
+    message = str(exc.value)
+    assert "\n" not in message
+    assert variable in message, message
+    assert value in message, message
+    assert "allowed" in message, message
+
+
+@pytest.fixture
+def no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kt-kernel build without AMXINT4/AMXINT8 kernels (a CPU without AVX-512)."""
+    monkeypatch.setattr(ktb, "kernel_available", lambda method: method not in ktb.QUANTIZES_ONLINE)
+
+
+@pytest.fixture
+def with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ktb, "kernel_available", lambda method: True)
+
+
+@pytest.fixture
+def weights_dir(tmp_path: Path) -> Path:
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.safetensors").write_bytes(b"")
+    return tmp_path / "w"
+
+
+MISTAKES = [
+    # (id, env, variable named, value named)
+    ("unknown backend", {"KT_BACKEND": "nope"}, "KT_BACKEND", "nope"),
+    ("unknown method", {"KT_METHOD": "INT3"}, "KT_METHOD", "INT3"),
+    ("negative gpu experts", {"KT_NUM_GPU_EXPERTS": "-1"}, "KT_NUM_GPU_EXPERTS", "-1"),
+    ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
+    ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
+    ("non-integer threads", {"KT_CPUINFER": "1.5"}, "KT_CPUINFER", "1.5"),
+    ("more pools than NUMA nodes", {"KT_THREADPOOL_COUNT": "2"}, "KT_THREADPOOL_COUNT", "2"),
+    ("zero pools", {"KT_THREADPOOL_COUNT": "0"}, "KT_THREADPOOL_COUNT", "0"),
+    ("missing weight path", {"KT_WEIGHT_PATH": "/no/such/dir"}, "KT_WEIGHT_PATH", "/no/such/dir"),
+    ("zero chunk", {"KT_CHUNKED_PREFILL_SIZE": "0"}, "KT_CHUNKED_PREFILL_SIZE", "0"),
+    ("non-integer chunk", {"KT_CHUNKED_PREFILL_SIZE": "4k"}, "KT_CHUNKED_PREFILL_SIZE", "4k"),
+    ("negative deferral", {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "-2"}, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "-2"),
+    ("negative metrics interval", {"KT_METRICS_INTERVAL": "-1"}, "KT_METRICS_INTERVAL", "-1"),
+    ("non-numeric metrics interval", {"KT_METRICS_INTERVAL": "often"}, "KT_METRICS_INTERVAL", "often"),
+    ("torch backend with AMX method", {"KT_BACKEND": "torch", "KT_METHOD": "AMXINT4"}, "KT_METHOD", "AMXINT4"),
+    (
+        "torch backend with deferral",
+        {"KT_BACKEND": "torch", "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"},
+        "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN",
+        "1",
+    ),
+    ("FP8 method on a BF16 checkpoint", {"KT_METHOD": "FP8"}, "KT_METHOD", "FP8"),
+]
+
+
+@pytest.mark.parametrize("env,variable,value", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_mistake_is_one_clear_line(env: dict[str, str], variable: str, value: str) -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build(env)
+    assert_one_line_error(exc, variable, value)
+
+
+def test_weight_path_that_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_WEIGHT_PATH": str(f)})
+    assert_one_line_error(exc, "KT_WEIGHT_PATH", str(f))
+    assert "not a directory" in str(exc.value)
+
+
+def test_weight_path_without_weights(tmp_path: Path) -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_WEIGHT_PATH": str(tmp_path)})
+    assert_one_line_error(exc, "KT_WEIGHT_PATH", str(tmp_path))
+    assert "*.safetensors" in str(exc.value)
+
+
+def test_amx_method_on_cpu_without_amx(no_amx: None, weights_dir: Path) -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_METHOD": "AMXINT4", "KT_WEIGHT_PATH": str(weights_dir)})
+    assert_one_line_error(exc, "KT_METHOD", "AMXINT4")
+    assert "no AMXINT4 kernel" in str(exc.value)
+
+
+def test_amx_method_without_weight_path_quantizes_online(with_amx: None, tmp_path: Path) -> None:
+    cache = tmp_path / "new" / "cache"
+    kt, _ = build({"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(cache)})
+    assert (kt.method, kt.weight_path, kt.cache_dir) == ("AMXINT8", None, str(cache.resolve()))
+    assert cache.is_dir()
+
+
+def test_online_quantization_needs_an_unquantized_checkpoint(with_amx: None, tmp_path: Path) -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_METHOD": "AMXINT4", "KT_CACHE_DIR": str(tmp_path)}, FP8_BLOCK)
+    assert_one_line_error(exc, "KT_METHOD", "AMXINT4")
+    assert "fp8" in str(exc.value) and "KT_WEIGHT_PATH" in str(exc.value)
+
+
+def test_cache_dir_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_CACHE_DIR": str(blocker / "cache")})
+    assert_one_line_error(exc, "KT_CACHE_DIR", str(blocker / "cache"))
+    assert "cannot create" in str(exc.value)
+
+
+def test_amx_method_accepted_where_amx_exists(with_amx: None, weights_dir: Path) -> None:
+    kt, backend = build({"KT_METHOD": "amxint8", "KT_WEIGHT_PATH": str(weights_dir)})
+    assert (kt.method, backend.name, kt.weight_path) == ("AMXINT8", "kt_kernel", str(weights_dir.resolve()))
+
+
+def test_torch_backend_refuses_quantized_checkpoint() -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_BACKEND": "torch"}, FP8_BLOCK)
+    assert "KT_BACKEND=torch" in str(exc.value) and "fp8" in str(exc.value)
+
+
+def test_too_many_gpu_experts_for_the_model() -> None:
+    kt, _ = build({"KT_NUM_GPU_EXPERTS": "9"})
+    with pytest.raises(KTConfigError) as exc:
+        kt.check_model(num_experts=8, top_k=2)
+    assert_one_line_error(exc, "KT_NUM_GPU_EXPERTS", "9")
+    assert "8 routed experts" in str(exc.value)
+
+
+def test_deferring_every_expert_is_refused() -> None:
+    kt, _ = build({"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "2"})
+    with pytest.raises(KTConfigError) as exc:
+        kt.check_model(num_experts=8, top_k=2)
+    assert_one_line_error(exc, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "2")
+
+
+def test_chunk_smaller_than_the_batch_budget() -> None:
+    kt, _ = build({"KT_CHUNKED_PREFILL_SIZE": "256"})
+    with pytest.raises(KTConfigError) as exc:
+        kt.resolve_chunked_prefill_size(max_num_batched_tokens=2048)
+    assert_one_line_error(exc, "KT_CHUNKED_PREFILL_SIZE", "256")
+    assert "2048" in str(exc.value)
+
+
+def test_model_without_experts() -> None:
+    kt, _ = build({})
+    with pytest.raises(KTConfigError, match="Mixture-of-Experts"):
+        kt.check_model(num_experts=0, top_k=0)
+
+
+def test_pools_need_threads() -> None:
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_THREADPOOL_COUNT": "3", "KT_CPUINFER": "2"}, numa=4)
+    assert_one_line_error(exc, "KT_THREADPOOL_COUNT", "3")
+
+
+def test_defaults() -> None:
+    kt, backend = build({}, cores=16)
+    assert backend.name == "kt_kernel"
+    assert (kt.method, kt.num_gpu_experts, kt.cpuinfer_threads, kt.threadpool_count) == ("BF16", 0, 14, 1)
+    assert kt.weight_path is None and kt.max_deferred_experts_per_token == 0
+    assert kt.resolve_chunked_prefill_size(2048) == 2048
+
+
+def test_default_threads_leave_two_cores() -> None:
+    assert [default_cpuinfer_threads(c) for c in (1, 2, 3, 16, 64)] == [1, 1, 1, 14, 62]
+
+
+def test_default_method_follows_the_checkpoint() -> None:
+    kt_cls = backend_class("kt_kernel")
+    gptq = CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4, "sym": True})
+    ct_int4 = CheckpointFormat("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 4}}}})
+    ct_fp8_channel = CheckpointFormat(
+        "compressed-tensors",
+        {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+    )
+    assert [kt_cls.default_method(c) for c in (UNQUANTIZED, FP8_BLOCK, gptq, ct_int4, ct_fp8_channel)] == [
+        "BF16",
+        "FP8",
+        "GPTQ_INT4",
+        "RAWINT4",
+        "FP8_PERCHANNEL",
+    ]
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    [
+        CheckpointFormat("fp8", {"quant_method": "fp8"}),  # per-tensor scales: no kt-kernel reader
+        CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4, "desc_act": True}),
+        CheckpointFormat("awq_marlin", {"quant_method": "awq", "bits": 4}),
+    ],
+    ids=["fp8 per-tensor", "gptq act-order", "awq"],
+)
+def test_checkpoints_without_a_default_method_ask_for_one(checkpoint: CheckpointFormat) -> None:
+    with pytest.raises(KTConfigError, match="KT_METHOD is unset"):
+        build({}, checkpoint)
+
+
+@pytest.fixture
+def warnings_seen(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Our logger lives under vLLM's, which does not propagate to the root logger that
+    caplog listens on: attach caplog's handler to it directly."""
+    plugin_logger = logging.getLogger(LOGGER_NAME)
+    plugin_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    yield caplog
+    plugin_logger.removeHandler(caplog.handler)
+
+
+def test_all_threads_warns(warnings_seen: pytest.LogCaptureFixture) -> None:
+    build({"KT_CPUINFER": "16"}, cores=16)
+    assert "KT_CPUINFER=16 uses all 16 usable cores" in warnings_seen.text
+
+
+def test_typo_in_variable_name_warns(warnings_seen: pytest.LogCaptureFixture) -> None:
+    build({"KT_NUM_GPU_EXPERT": "4", "KT_KERNEL_DEBUG": "1"})
+    assert "KT_NUM_GPU_EXPERT" in warnings_seen.text and "did you mean KT_NUM_GPU_EXPERTS" in warnings_seen.text
+    assert "KT_KERNEL_DEBUG" not in warnings_seen.text  # kt-kernel's own variable
+
+
+def test_every_variable_is_documented_in_the_readme() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for variable in VARIABLES:
+        assert f"| `{variable.name}` |" in readme, variable.name

@@ -1,0 +1,307 @@
+"""The engine side of ``vllm-kt bench``: the model shapes, what each run measures in its
+own process (``run_engine``), and which runs a sitting makes (``plan_runs``).
+
+Each system runs in a process of its own (``support.child``), so each gets the whole
+GPU: plain vLLM with every weight on the GPU, plain vLLM with ``--cpu-offload-gb``
+leaving ``--gpu-weight-gb`` on the GPU, and kt-hybrid keeping as many experts per layer
+on the GPU as fit in the same memory, once per kt-kernel method. Each run reports decode
+tok/s at batch 1 and 16, prefill tok/s (8 prompts x 1024 tokens) and the GPU memory
+vLLM reports for the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
+from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
+from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_plugin.support.child import run_child
+
+# Built-in model shapes (Hugging Face config.json values), benchmarked with dummy weights.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The shape the benchmark plans with; byte counts and fitting come from model_memory
+    and gpu_budget, as for KT_NUM_GPU_EXPERTS=auto."""
+
+    memory: ModelMemory
+    top_k: int
+    hidden: int
+    expert_inter: int
+
+    @property
+    def layers(self) -> int:
+        return self.memory.num_moe_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.memory.num_experts
+
+    @property
+    def expert_bytes(self) -> int:
+        return int(self.memory.expert_bytes)
+
+    @property
+    def non_expert_bytes(self) -> int:
+        return int(self.memory.non_expert_bytes)
+
+    @property
+    def experts_bytes(self) -> int:
+        return self.layers * self.num_experts * self.expert_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.memory.gpu_bytes(self.num_experts))
+
+    def gpu_experts_for(self, gpu_weight_bytes: float) -> int:
+        """Experts per layer that fit beside the non-expert weights in ``gpu_weight_bytes``."""
+        budget = fit_gpu_experts(
+            device_total_bytes=int(gpu_weight_bytes),
+            gpu_memory_utilization=1.0,
+            memory=self.memory,
+            kv_cache_reserve_gb=0.0,
+        )
+        return budget.num_gpu_experts
+
+    def gpu_weight_bytes(self, gpu_experts: int) -> int:
+        return int(self.memory.gpu_bytes(gpu_experts))
+
+
+def model_sizes(hf_config: dict[str, Any]) -> ModelSizes:
+    return ModelSizes(
+        memory=estimate_model_memory(hf_config),
+        top_k=hf_config["num_experts_per_tok"],
+        hidden=hf_config["hidden_size"],
+        expert_inter=hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"],
+    )
+
+
+@dataclass
+class RunSpec:
+    """One engine configuration to benchmark."""
+
+    system: str  # vllm-gpu | vllm-offload | kt-hybrid
+    method: str  # bf16 for plain vLLM; the kt-kernel method for kt-hybrid
+    model: str
+    load_format: str
+    gpu_weight_gb: float
+    cpu_offload_gb: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+    enforce_eager: bool = False
+    decode_tokens: int = 64
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.9
+
+    @property
+    def name(self) -> str:
+        eager = "-eager" if self.enforce_eager else ""
+        return f"{self.system}-{self.method}{eager}".lower()
+
+
+# --- one engine, in its own process --------------------------------------------------
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]} for _ in range(count)]
+
+
+def run_engine(**fields: Any) -> dict[str, Any]:
+    """Start one vLLM engine and measure it (runs in the child process)."""
+    spec = RunSpec(**fields)
+    os.environ.update(spec.env)
+    from vllm import LLM, SamplingParams  # deferred: only the child process starts an engine
+
+    extra: dict[str, Any] = {}
+    if spec.system == "kt-hybrid":
+        extra["quantization"] = "kt-hybrid"
+    if spec.cpu_offload_gb:
+        extra["cpu_offload_gb"] = spec.cpu_offload_gb
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec.model,
+        load_format=spec.load_format,
+        skip_tokenizer_init=True,
+        max_model_len=min(spec.max_model_len, _max_positions(spec.model)),
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        enforce_eager=spec.enforce_eager,
+        seed=0,
+        **extra,
+    )
+    startup_s = time.perf_counter() - started
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prefill_len = min(1024, llm.llm_engine.model_config.max_model_len - 2)
+
+    def timed(prompts: list[dict[str, list[int]]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+    def decode_rate(batch: int, seed: int) -> tuple[float, list[list[int]]]:
+        # Two long runs, N and 2N new tokens: their difference is N decode steps with no
+        # prefill or first-call cost in it (a 1-token baseline was seen to be slower than
+        # a 65-token run at batch 16).
+        prompts = _prompts(batch, 32, vocab, seed)
+        timed(prompts, 4)  # warm-up
+        short, tokens = timed(prompts, spec.decode_tokens)
+        long, _ = timed(prompts, 2 * spec.decode_tokens)
+        return batch * spec.decode_tokens / (long - short), tokens
+
+    decode_bs1, tokens_bs1 = decode_rate(1, seed=1)
+    decode_bs16, _ = decode_rate(16, seed=2)
+    timed(_prompts(8, prefill_len, vocab, seed=3), 1)  # warm-up
+    prefill_s, _ = timed(_prompts(8, prefill_len, vocab, seed=4), 1)
+    return {
+        "startup_s": round(startup_s, 1),
+        "decode_bs1_tok_s": round(decode_bs1, 2),
+        "decode_bs16_tok_s": round(decode_bs16, 2),
+        "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
+        "prefill_prompt_tokens": prefill_len,
+        "greedy_tokens_bs1": tokens_bs1[0],
+    }
+
+
+def _max_positions(model: str) -> int:
+    hf_config = json.loads((Path(model) / "config.json").read_text())
+    return int(hf_config.get("max_position_embeddings") or 2048)
+
+
+MODEL_LOAD_RE = re.compile(r"Model loading took ([0-9.]+) GiB")
+
+
+def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]:
+    """``run_engine`` in a fresh process; its log goes to ``log_dir/<name>.log``."""
+    log_path = log_dir / f"{spec.name}.log"
+    print(f"[bench] {spec.name}: starting (log: {log_path})", flush=True)
+    started = time.perf_counter()
+    target = f"{__name__}:run_engine"
+    run = run_child(target, asdict(spec), env={**os.environ, **spec.env}, timeout_s=timeout_s, log_path=log_path)
+    log_text = run.log
+    result: dict[str, Any] = {"system": spec.system, "method": spec.method, "enforce_eager": spec.enforce_eager}
+    result.update(run.result or {})
+    loaded = MODEL_LOAD_RE.findall(log_text)
+    result["gpu_weight_gb"] = float(loaded[0]) if loaded else None
+    result["configured_gpu_weight_gb"] = spec.gpu_weight_gb
+    if spec.cpu_offload_gb:
+        result["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.env:
+        result["env"] = spec.env
+    if "decode_bs1_tok_s" not in result:
+        result["error"] = f"exit {run.returncode}: " + " | ".join(log_text.strip().splitlines()[-5:])[-1500:]
+    print(f"[bench] {spec.name}: done in {time.perf_counter() - started:.0f} s: {_summary(result)}", flush=True)
+    return result
+
+
+def _summary(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return "FAILED " + result["error"][-300:]
+    return (
+        f"decode bs1 {result['decode_bs1_tok_s']} tok/s, bs16 {result['decode_bs16_tok_s']} tok/s, "
+        f"prefill {result['prefill_tok_s']} tok/s, weights {result['gpu_weight_gb']} GiB"
+    )
+
+
+def host_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cores": len(os.sched_getaffinity(0))}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+        import vllm
+
+        info["vllm"] = vllm.__version__
+        from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel  # imports torch: inside the try
+
+        kt_kernel = prepare_kt_kernel()
+        info["kt_kernel"] = getattr(kt_kernel, "__version__", "unknown")
+        info["kt_cpu_variant"] = kt_kernel.__cpu_variant__
+        info["cpu_has_amx"] = bool(torch.cpu._is_amx_tile_supported())
+    except Exception as exc:  # the benchmark still runs; the JSON says what is unknown
+        info["probe_error"] = repr(exc)
+    return info
+
+
+def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[str, str, dict[str, Any]]:
+    """(model dir, load_format, config): a built-in shape is written as a config-only dir."""
+    if args.model:
+        hf_config = json.loads((Path(args.model) / "config.json").read_text())
+        has_weights = any(Path(args.model).glob("*.safetensors"))
+        return args.model, "auto" if has_weights else "dummy", hf_config
+    hf_config = SHAPES[args.shape]
+    model_dir = workdir / f"model-{args.shape}"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return str(model_dir), "dummy", hf_config
+
+
+def plan_runs(args: argparse.Namespace, model: str, load_format: str, sizes: ModelSizes) -> list[RunSpec]:
+    total_gb = sizes.total_bytes / GIB
+    n_gpu = sizes.gpu_experts_for(args.gpu_weight_gb * GIB)
+    common = {"model": model, "load_format": load_format, "decode_tokens": args.decode_tokens}
+    runs: list[RunSpec] = []
+    systems = set(args.systems.split(","))
+    if "vllm-gpu" in systems:
+        runs.append(RunSpec("vllm-gpu", "bf16", gpu_weight_gb=round(total_gb, 1), **common))
+    if "vllm-offload" in systems:
+        offload = max(0.0, math.ceil(total_gb - args.gpu_weight_gb))
+        runs.append(RunSpec("vllm-offload", "bf16", gpu_weight_gb=args.gpu_weight_gb, cpu_offload_gb=offload, **common))
+    if "kt-hybrid" in systems:
+        methods = [m.strip().upper() for m in args.methods.split(",") if m.strip()]
+        if load_format != "dummy" and "BF16" not in methods:
+            methods.append("BF16")
+        for method in methods:
+            env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu)}
+            if args.cpuinfer:
+                env["KT_CPUINFER"] = str(args.cpuinfer)
+            gb = round(sizes.gpu_weight_bytes(n_gpu) / GIB, 2)
+            runs.append(RunSpec("kt-hybrid", method, gpu_weight_gb=gb, env=env, **common))
+        if args.eager_check and methods:
+            first = runs[-len(methods)]
+            runs.append(RunSpec(**{**asdict(first), "enforce_eager": True, "decode_tokens": args.decode_tokens}))
+    return runs

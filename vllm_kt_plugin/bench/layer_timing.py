@@ -1,0 +1,112 @@
+"""The layer side of ``vllm-kt bench``: one kt-hybrid MoE layer of the model's shape on
+CUDA, timed against bare kt-kernel (same wrapper, same tokens) and the GPU experts alone:
+``plugin_overhead`` = hybrid / bare kt-kernel - 1, ``overlap_efficiency`` = hybrid /
+max(bare kt-kernel, GPU experts)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_plugin.bench.engine_runs import ModelSizes, model_sizes
+from vllm_kt_plugin.support.child import run_child
+from vllm_kt_plugin.support.moe_layers import build_moe, vllm_world
+
+
+def layer_benchmark(model_dir: str, env: dict[str, str], tokens: Sequence[int], iters: int) -> dict[str, Any]:
+    """Times one kt-hybrid layer of the model's shape on CUDA (runs in the child process)."""
+    # Deferred: `vllm-kt bench` imports this module in its parent process, which needs
+    # neither torch nor vLLM; only the child process runs this function.
+    import torch
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+    from vllm_kt_plugin.settings.loader import load_settings
+
+    sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
+    vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True))
+    vllm_config.load_config.load_format = "dummy"
+    results: dict[str, Any] = {"tokens": {}}
+    with vllm_world(vllm_config, backend="nccl"):
+        init_workspace_manager(torch.device("cuda"))  # the modular MoE kernels' scratch buffers
+        quant = KTHybridConfig(settings=load_settings({**os.environ, **env}))
+        with torch.device("cuda"):
+            runner = build_moe(quant, sizes.num_experts, sizes.top_k, sizes.hidden, sizes.expert_inter, layer_idx=0)
+        layer = runner.routed_experts
+        method = layer.quant_method
+        for param in layer.parameters():
+            param.data.uniform_(-1e-3, 1e-3)
+        method.process_weights_after_loading(layer)  # dummy CPU experts, quantized online
+        cpu = method.cpu
+        assert cpu is not None, "the layer benchmark needs CPU experts (KT_NUM_GPU_EXPERTS < experts)"
+
+        def time_ms(fn: Any) -> float:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, vllm_config):
+            results["tokens"] = {str(n): _time_layer(method, layer, cpu, n, sizes, gen, time_ms) for n in tokens}
+    results["gpu_experts_per_layer"] = method.placement.num_gpu_experts
+    return results
+
+
+def _time_layer(method: Any, layer: Any, cpu: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
+    """hybrid / bare kt-kernel / GPU-experts-only times of one layer for ``n`` tokens."""
+    import torch
+
+    stream = torch.cuda.current_stream().cuda_stream
+    x = (torch.randn(n, sizes.hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    logits = torch.randn(n, sizes.num_experts, device="cuda", generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(sizes.top_k, dim=-1)
+    ids = ids.to(torch.int32)
+
+    def hybrid() -> Any:
+        return method.forward_hybrid(x, weights, ids, layer)
+
+    def bare_kt_kernel() -> Any:  # the same kt-kernel wrapper, called directly
+        cpu.wrapper.submit_forward(x, ids, weights, stream)
+        return cpu.wrapper.sync_forward(x, stream)
+
+    def gpu_experts() -> Any:
+        return method._gpu_experts(layer, x, weights, ids)
+
+    t = {
+        "hybrid_ms": time_ms(hybrid),
+        "bare_kt_kernel_ms": time_ms(bare_kt_kernel),
+        "gpu_experts_ms": time_ms(gpu_experts),
+    }
+    result: dict[str, Any] = {k: round(v, 4) for k, v in t.items()}
+    result["cpu_expert_picks"] = int((~method.placement.gpu_mask.to("cuda")[ids.long()]).sum())
+    result["plugin_overhead"] = round(t["hybrid_ms"] / t["bare_kt_kernel_ms"] - 1, 4)
+    result["overlap_efficiency"] = round(t["hybrid_ms"] / max(t["bare_kt_kernel_ms"], t["gpu_experts_ms"]), 4)
+    return result
+
+
+def layer_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s: int) -> dict[str, Any]:
+    log_path = log_dir / f"layer-{env.get('KT_METHOD', '').lower()}.log"
+    print(f"[bench] layer benchmark ({env.get('KT_METHOD')}): starting (log: {log_path})", flush=True)
+    args = {"model_dir": model_dir, "env": env, "tokens": [1, 16], "iters": 200}
+    run = run_child(
+        f"{__name__}:layer_benchmark", args, env={**os.environ, **env}, timeout_s=timeout_s, log_path=log_path
+    )
+    if run.result is not None:
+        print(f"[bench] layer benchmark: {json.dumps(run.result['tokens'])}", flush=True)
+        return dict(run.result)
+    tail = " | ".join(run.tail(5).splitlines())
+    print(f"[bench] layer benchmark FAILED: {tail[-600:]}", flush=True)
+    return {"error": tail[-1500:]}

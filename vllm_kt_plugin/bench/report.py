@@ -1,0 +1,64 @@
+"""The report of ``vllm-kt bench``: the JSON file, its PNG chart, and the figures read off
+the runs (the best kt-hybrid run, kt-kernel's thread count from its log). Nothing here
+asserts a speed: the numbers are for people to read."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+
+def write_chart(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib is not installed: no chart", flush=True)
+        return False
+    runs = [r for r in report["runs"] if "error" not in r and not r.get("enforce_eager")]
+    labels = [f"{r['system']}\n{r['method']}\n{r['gpu_weight_gb'] or r['configured_gpu_weight_gb']} GiB" for r in runs]
+    metrics = [
+        ("decode_bs1_tok_s", "decode, batch 1"),
+        ("decode_bs16_tok_s", "decode, batch 16"),
+        ("prefill_tok_s", "prefill"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        values = [r.get(key) or 0 for r in runs]  # a missing measurement shows as "n/a"
+        bars = ax.bar(range(len(runs)), values, color=[_color(r["system"]) for r in runs])
+        ax.bar_label(bars, labels=[f"{v:.0f}" if v else "n/a" for v in values], fontsize=8)
+        ax.set_xticks(range(len(runs)), labels, fontsize=7)
+        ax.set_title(f"{title} (tok/s)")
+        ax.set_yscale("log")
+    fig.suptitle(f"{report['model']} on {report['host'].get('gpu', 'GPU')}: tokens/s (log scale)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def _color(system: str) -> str:
+    return {"vllm-gpu": "#4c72b0", "vllm-offload": "#c44e52", "kt-hybrid": "#55a868"}.get(system, "gray")
+
+
+def best_hybrid(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in runs if r["system"] == "kt-hybrid" and "error" not in r and not r.get("enforce_eager")]
+    return max(ok, key=lambda r: r["decode_bs1_tok_s"], default=None)
+
+
+def threads_from_log(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    found = re.findall(r"with (\d+) threads", path.read_text(errors="replace"))
+    return int(found[0]) if found else None
+
+
+def save(report: dict[str, Any], out: Path) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if report["runs"]:
+        write_chart(report, out.with_suffix(".png"))

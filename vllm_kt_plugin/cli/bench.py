@@ -1,0 +1,93 @@
+"""``vllm-kt bench``: kt-hybrid against plain vLLM and ``--cpu-offload-gb`` in one sitting.
+
+For one model shape it runs every system in a process of its own (``bench.engine_runs``),
+then times one kt-hybrid MoE layer against bare kt-kernel and the GPU experts alone
+(``bench.layer_timing``), and writes JSON plus a PNG chart (``bench.report``). Without
+checkpoint weights (a built-in shape) every system runs with ``load_format=dummy``;
+kt-hybrid's AMX experts are then random weights quantized online (and cached, see
+KT_CACHE_DIR). Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_plugin.bench.engine_runs import SHAPES, host_info, model_sizes, plan_runs, prepare_model, run_in_child
+from vllm_kt_plugin.bench.layer_timing import layer_in_child
+from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
+from vllm_kt_plugin.settings.catalogue import GIB, cache_root
+
+
+def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(args.workdir).expanduser()
+    log_dir = workdir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model, load_format, hf_config = prepare_model(args, workdir)
+    sizes = model_sizes(hf_config)
+    runs = plan_runs(args, model, load_format, sizes)
+    print(
+        f"[bench] {model}: {sizes.total_bytes / GIB:.1f} GiB of weights, {sizes.layers} MoE layers x "
+        f"{sizes.num_experts} experts ({sizes.expert_bytes / 2**20:.1f} MiB each); {len(runs)} runs",
+        flush=True,
+    )
+    report: dict[str, Any] = {
+        "model": args.shape if not args.model else model,
+        "command": "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "load_format": load_format,
+        "host": host_info(),
+        "model_sizes_gib": {
+            "total": round(sizes.total_bytes / GIB, 2),
+            "non_expert": round(sizes.non_expert_bytes / GIB, 2),
+            "experts": round(sizes.experts_bytes / GIB, 2),
+        },
+        "target_gpu_weight_gb": args.gpu_weight_gb,
+        "runs": [],
+    }
+    for spec in runs:
+        report["runs"].append(run_in_child(spec, log_dir, args.timeout))
+        save(report, args.out)
+    hybrid = best_hybrid(report["runs"])
+    if hybrid is not None:
+        env = {**hybrid.get("env", {}), "KT_CACHE_DIR": str(workdir / "layer-cache")}
+        layer = layer_in_child(model, env, log_dir, args.timeout)
+        report["layer_benchmark"] = {"method": hybrid["method"], **layer}
+        decode = layer.get("tokens", {}).get("1")
+        if decode:
+            report["plugin_overhead"] = decode["plugin_overhead"]
+            report["overlap_efficiency"] = decode["overlap_efficiency"]
+        report["kt_cpuinfer_threads"] = threads_from_log(log_dir / f"kt-hybrid-{hybrid['method'].lower()}.log")
+    eager = [r for r in report["runs"] if r.get("enforce_eager")]
+    if eager and hybrid is not None:
+        graphs = next(
+            (r for r in report["runs"] if r["method"] == eager[0]["method"] and not r.get("enforce_eager")), None
+        )
+        if graphs and "greedy_tokens_bs1" in graphs and "greedy_tokens_bs1" in eager[0]:
+            a, b = graphs["greedy_tokens_bs1"], eager[0]["greedy_tokens_bs1"]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+            report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
+    save(report, args.out)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="built-in model shape")
+    parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
+    parser.add_argument("--gpu-weight-gb", type=float, default=17.0, help="GPU weight memory for offload and kt-hybrid")
+    parser.add_argument("--methods", default="AMXINT4,AMXINT8", help="kt-kernel methods for kt-hybrid")
+    parser.add_argument("--systems", default="vllm-gpu,vllm-offload,kt-hybrid")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--cpuinfer", type=int, default=0, help="KT_CPUINFER (default: the plugin's)")
+    parser.add_argument("--eager-check", action="store_true", help="also run the first method with --enforce-eager")
+    parser.add_argument("--workdir", default=str(cache_root() / "bench"))
+    parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON path (PNG beside it)")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_sitting(args)
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    return 0 if report["runs"] and all("error" not in r for r in report["runs"]) else 1

@@ -1,0 +1,299 @@
+"""CPU experts computed by kt-kernel (AMX / AVX-512 / AVX2 kernels)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
+from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
+    ONLINE_ALIGNMENT,
+    QUANTIZES_ONLINE,
+    READS_HF_CHECKPOINT,
+    kernel_available,
+    kt_inference_methods,
+    weight_files_missing,
+)
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
+    PROGRESS,
+    ExpertTensors,
+    cache_folder,
+    layer_is_cached,
+    quantize_into_cache,
+)
+from vllm_kt_plugin.hookspecs import hookimpl
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
+from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+def local_model_dir(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The directory holding ``model``'s files (a hub id resolves to its local snapshot)."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+
+
+def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> None:
+    missing = weight_files_missing(method, directory)
+    if missing is None:
+        return
+    if is_model_dir:
+        raise KTConfigError(
+            "KT_WEIGHT_PATH",
+            UNSET,
+            f"so kt-kernel reads the model directory {directory}, which holds no {missing} files for "
+            f"KT_METHOD={method}",
+            "set KT_WEIGHT_PATH to a directory with the CPU expert weights",
+        )
+    raise KTConfigError("KT_WEIGHT_PATH", directory, f"holds no {missing} files, which KT_METHOD={method} reads")
+
+
+def _ct_weight_scheme(quant_config: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors: the weight scheme of its (first) config group."""
+    for group in (quant_config.get("config_groups") or {}).values():
+        return group.get("weights") or {}
+    return {}
+
+
+class KTKernelExperts(CPUExperts):
+    name: ClassVar[str] = "kt_kernel"
+    supports_cuda_graphs: ClassVar[bool] = True
+
+    @classmethod
+    def default_method(cls, checkpoint: CheckpointFormat) -> str:
+        """The kt-kernel method that reads this checkpoint's own expert tensors."""
+        quant, quant_config = checkpoint.quant_method, checkpoint.quant_config
+        if quant is None:
+            return "BF16"
+        if quant == "fp8" and quant_config.get("weight_block_size"):
+            return "FP8"  # block scales (weight_scale_inv), as in DeepSeek-V3
+        symmetric_gptq = quant_config.get("sym", True) and not quant_config.get("desc_act", False)
+        if quant in ("gptq", "gptq_marlin") and checkpoint.weight_bits == 4 and symmetric_gptq:
+            return "GPTQ_INT4"
+        if quant == "compressed-tensors":
+            scheme = _ct_weight_scheme(quant_config)
+            if scheme.get("num_bits") == 4 and scheme.get("type", "int") == "int":
+                return "RAWINT4"
+            if scheme.get("num_bits") == 8 and scheme.get("type") == "float" and scheme.get("strategy") == "channel":
+                return "FP8_PERCHANNEL"
+        raise KTConfigError(
+            "KT_METHOD",
+            UNSET,
+            f"kt-kernel reads no {quant!r} checkpoint of this kind directly",
+            "set KT_METHOD to a kt-kernel method and KT_WEIGHT_PATH to expert weights in that format "
+            "(e.g. AMXINT4 weights converted by kt-kernel)",
+        )
+
+    @classmethod
+    def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
+        method = settings.method
+        assert method is not None, "the quant config resolves the method first"
+        if method not in kt_inference_methods():
+            raise KTConfigError("KT_METHOD", method, "not a kt-kernel 0.7.2 inference method")
+        if not kernel_available(method):
+            hint = "a CPU with AVX-512 (AMX is fastest)" if method in QUANTIZES_ONLINE else "another method"
+            raise KTConfigError("KT_METHOD", method, f"this CPU / kt-kernel build has no {method} kernel; use {hint}")
+        if settings.weight_path is not None:
+            _check_weight_files(method, settings.weight_path, is_model_dir=False)
+            return
+        if method in QUANTIZES_ONLINE:
+            cls._validate_online(settings, checkpoint)
+            return
+        if method not in READS_HF_CHECKPOINT:
+            raise KTConfigError(
+                "KT_WEIGHT_PATH",
+                UNSET,
+                f"KT_METHOD={method} reads kt-kernel's converted weights, which the model directory does not hold",
+                f"a directory with {method} weights, or a KT_METHOD in {sorted(READS_HF_CHECKPOINT)}",
+            )
+        try:
+            own = cls.default_method(checkpoint)
+        except KTConfigError:
+            own = None
+        if method != own:
+            stored = checkpoint.quant_method or "unquantized"
+            raise KTConfigError(
+                "KT_METHOD",
+                method,
+                f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} "
+                f"weights, which {method} cannot; set KT_WEIGHT_PATH to {method} weights"
+                + (f" or use KT_METHOD={own}" if own else ""),
+            )
+
+    @classmethod
+    def _validate_online(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
+        """AMXINT4/AMXINT8 without KT_WEIGHT_PATH: quantized from the BF16/FP16 tensors vLLM
+        loads, so the checkpoint must hold them unquantized; the cache must be writable."""
+        if checkpoint.quant_method is not None:
+            raise KTConfigError(
+                "KT_METHOD",
+                settings.method,
+                f"KT_WEIGHT_PATH is unset, so the CPU experts would be quantized online from the "
+                f"checkpoint's tensors, which are {checkpoint.quant_method}, not BF16/FP16; set "
+                f"KT_WEIGHT_PATH to converted {settings.method} weights",
+            )
+        check_cache_dir(settings.cache_dir)
+
+    @classmethod
+    def check_model_dir(cls, settings: KTSettings, model_dir: str) -> None:
+        if settings.weight_path is None and settings.method is not None:
+            _check_weight_files(settings.method, model_dir, is_model_dir=True)
+
+    def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
+        super().__init__(spec, settings)
+        assert settings.method is not None
+        self.method = settings.method
+        self.wrapper: Any = None
+        self.physical_to_logical: torch.Tensor | None = None
+        self._stream = 0
+        # Online quantization: the layer's tensors are collected, quantized into the cache
+        # once complete, and loaded from there; a cached layer skips the first two steps.
+        self.online = settings.weight_path is None and self.method in QUANTIZES_ONLINE
+        self._collected: ExpertTensors | None = None
+        self._needs_quantizing: bool | None = None  # decided on first use (files are local by then)
+        self._check_alignment()
+        PROGRESS.expect_layer()
+
+    @functools.cached_property
+    def cache(self) -> Path | None:
+        """This layer's cache folder. Resolved on first use, during weight loading: a hub
+        model's snapshot (whose path carries its commit) is only local by then."""
+        if not self.online:
+            return None
+        spec, settings = self.spec, self.settings
+        dummy = spec.load_format == "dummy"
+        return cache_folder(
+            settings.cache_dir,
+            model=spec.model,
+            model_dir=None if dummy else local_model_dir(spec.model, spec.revision, spec.download_dir),
+            method=self.method,
+            pools=settings.threadpool_count,
+            shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
+        )
+
+    def _check_alignment(self) -> None:
+        step = ONLINE_ALIGNMENT.get(self.method)
+        spec = self.spec
+        if step and (spec.hidden_size % step or spec.intermediate_size % step):
+            raise KTConfigError(
+                "KT_METHOD",
+                self.method,
+                f"kt-kernel's {self.method} kernels need hidden and expert intermediate sizes that are "
+                f"multiples of {step}; this model has {spec.hidden_size} and {spec.intermediate_size}",
+            )
+
+    @property
+    def wants_all_experts(self) -> bool:
+        if self._needs_quantizing is None:  # checked once: the loader asks for every tensor
+            cache = self.cache
+            spec = self.spec
+            self._needs_quantizing = cache is not None and not layer_is_cached(cache, spec.layer_idx, spec.num_experts)
+        return self._needs_quantizing
+
+    def _wrapper_args(self, max_deferred_experts_per_token: int = 0) -> dict[str, Any]:
+        spec, settings = self.spec, self.settings
+        return {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.top_k,
+            "hidden_size": spec.hidden_size,
+            "moe_intermediate_size": spec.intermediate_size,
+            "gpu_experts_mask": spec.placement.gpu_mask,
+            "cpuinfer_threads": settings.cpuinfer_threads,
+            "threadpool_count": settings.threadpool_count,
+            "chunked_prefill_size": spec.chunked_prefill_size,
+            "max_deferred_experts_per_token": max_deferred_experts_per_token,
+            "method": self.method,
+        }
+
+    def load_checkpoint_tensor(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
+        if not self.wants_all_experts:
+            return  # kt-kernel reads its own files
+        spec = self.spec
+        if self._collected is None:
+            self._collected = ExpertTensors(spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        self._collected.put(expert_id, shard_id, tensor)
+        if self._collected.complete:
+            self._quantize()
+
+    def _quantize(self) -> None:
+        assert self.cache is not None and self._collected is not None
+        kt_kernel = prepare_kt_kernel()
+        start = time.perf_counter()
+        quantize_into_cache(kt_kernel, self.cache, self.spec.layer_idx, self._collected, **self._wrapper_args())
+        self._collected = None  # frees the layer's BF16 copy
+        self._needs_quantizing = False
+        PROGRESS.layer_quantized(
+            self.spec.layer_name,
+            f"quantized {self.spec.num_experts} experts to {self.method} into {self.cache}",
+            time.perf_counter() - start,
+        )
+
+    def _complete_online_weights(self) -> None:
+        """Before loading: quantize a layer vLLM did not hand over in full (random weights
+        under load_format=dummy, which loads no checkpoint)."""
+        if not self.wants_all_experts:
+            return
+        spec = self.spec
+        collected = self._collected or ExpertTensors(spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        if spec.load_format != "dummy":
+            raise RuntimeError(
+                f"kt-hybrid: {spec.layer_name}: the checkpoint lacked {collected.missing()} of the "
+                f"{3 * spec.num_experts} expert gate/up/down tensors needed to quantize the layer to {self.method}"
+            )
+        collected.fill_dummy(spec.layer_idx)
+        self._collected = collected
+        self._quantize()
+
+    def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
+        spec, settings = self.spec, self.settings
+        kt_kernel = prepare_kt_kernel()
+        if spec.cuda_graph_batch_sizes:
+            # Graph replays reuse the addresses captured for each batch size: kt-kernel
+            # keeps one set of pinned/device buffers per listed size (else it reallocates).
+            kt_kernel.KTMoEWrapper.set_capture_batch_sizes(list(spec.cuda_graph_batch_sizes))
+        self._complete_online_weights()
+        if self.cache is not None:
+            weight_path = str(self.cache)
+        else:
+            weight_path = settings.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
+        start = time.perf_counter()
+        self.wrapper = kt_kernel.KTMoEWrapper(
+            layer_idx=spec.layer_idx, weight_path=weight_path, **self._wrapper_args(max_deferred_experts_per_token)
+        )
+        # kt-kernel keeps this tensor's address and reads it on every forward: it must
+        # live as long as the layer (a temporary here gave nondeterministic outputs).
+        self.physical_to_logical = torch.arange(spec.num_experts, dtype=torch.long)
+        self.wrapper.load_weights(self.physical_to_logical)
+        PROGRESS.layer_ready(
+            spec.layer_name,
+            f"loaded {spec.placement.num_cpu_experts} CPU experts ({self.method}, kt-kernel "
+            f"{kt_kernel.__cpu_variant__} kernels, {settings.cpuinfer_threads} threads) from {weight_path}",
+            time.perf_counter() - start,
+        )
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
+        # path on CPU-only hosts (see kt_compat).
+        self._stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        self.wrapper.submit_forward(x, topk_ids, topk_weights, self._stream)
+
+    def sync(self, x: torch.Tensor) -> torch.Tensor:
+        # kt-kernel returns one of its reusable buffers: the caller consumes it at once.
+        return self.wrapper.sync_forward(x, self._stream)
+
+
+@hookimpl
+def kt_cpu_backends() -> dict[str, type[CPUExperts]]:
+    return {KTKernelExperts.name: KTKernelExperts}

@@ -1,0 +1,68 @@
+"""kt-kernel 0.7.2's methods: which read a Hugging Face checkpoint, which quantize online,
+which sizes they tile, which kernels this CPU's build carries. One home for these facts:
+the backend, ``vllm-kt doctor`` and the planning code read them here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+
+# Methods whose weights kt-kernel reads straight from a Hugging Face checkpoint's
+# safetensors, so KT_WEIGHT_PATH can default to the model directory.
+READS_HF_CHECKPOINT = frozenset({"BF16", "FP8", "FP8_PERCHANNEL", "GPTQ_INT4", "RAWINT4", "MXFP4", "NVFP4", "MXFP8"})
+# Methods kt-kernel quantizes online from BF16 tensors (load_weights_from_tensors); it
+# runs them with AMX tiles where the CPU has them, else with AVX-512.
+QUANTIZES_ONLINE = frozenset({"AMXINT4", "AMXINT8"})
+# kt-kernel 0.7.2's AMX kernels tile hidden and expert-intermediate sizes in these steps;
+# other sizes fail ("n or k is not aligned") or crash, so they are refused up front.
+ONLINE_ALIGNMENT = {"AMXINT4": 128, "AMXINT8": 64}
+# kt-kernel's own availability flags (kt_kernel.utils.amx) per method: the kernels the
+# loaded build carries. kt-kernel checks the same flags, but only after vLLM has loaded
+# every GPU weight; we check them at config time.
+KERNEL_FLAGS = {
+    "AMXINT4": ("_HAS_AMXINT4_SUPPORT",),
+    "AMXINT8": ("_HAS_AMXINT8_SUPPORT",),
+    "BF16": ("_HAS_BF16_SUPPORT", "_HAS_AVX2_BF16_SUPPORT"),
+    "FP8": ("_HAS_FP8_SUPPORT", "_HAS_AVX2_FP8_SUPPORT"),
+    "FP8_PERCHANNEL": ("_HAS_FP8_PERCHANNEL_SUPPORT",),
+    "RAWINT4": ("_HAS_RAWINT4_SUPPORT", "_HAS_AVX2_RAWINT4_SUPPORT", "_HAS_AVXVNNI256_RAW_INT4_SUPPORT"),
+    "GPTQ_INT4": (
+        "_HAS_AVX2_GPTQ_INT4_SUPPORT",
+        "_HAS_AVXVNNI256_GPTQ_INT4_SUPPORT",
+        "_HAS_AVXVNNI256_PACKED_GPTQ_INT4_SUPPORT",
+    ),
+    "SYCL_GPTQ_INT4": ("_HAS_SYCL_GPTQ_INT4_SUPPORT",),
+    "MXFP4": ("_HAS_MXFP4_SUPPORT", "_HAS_AVX2_MXFP4_SUPPORT"),
+    "NVFP4": ("_HAS_AVX2_MXFP4_SUPPORT",),
+    "MXFP8": ("_HAS_MXFP8_SUPPORT", "_HAS_AVX2_MXFP8_SUPPORT"),
+}
+
+
+def kt_inference_methods() -> frozenset[str]:
+    prepare_kt_kernel()
+    from kt_kernel.experts import INFERENCE_METHODS
+
+    return frozenset(INFERENCE_METHODS)
+
+
+def kernel_available(method: str) -> bool:
+    """Whether the kt-kernel build this CPU loaded carries a kernel for ``method``."""
+    flags = KERNEL_FLAGS.get(method)
+    if flags is None:
+        return True
+    from kt_kernel.utils import amx
+
+    return any(getattr(amx, flag, True) for flag in flags)
+
+
+def weight_files_missing(method: str, directory: str) -> str | None:
+    """The file pattern kt-kernel would walk ``directory`` for with ``method`` and not find
+    (``*.safetensors``, or ``*.gguf`` for LLAMAFILE); None when found or when kt-kernel
+    checks the method's own converted format itself (AMX, MOE_*)."""
+    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
+        return None
+    pattern = "*.gguf" if method == "LLAMAFILE" else "*.safetensors"
+    return None if glob.glob(os.path.join(directory, "**", pattern), recursive=True) else pattern

@@ -1,0 +1,225 @@
+"""The ``kt-hybrid`` quantization config: the checkpoint's own method for everything,
+except that each MoE layer's routed experts are split between it and a CPU backend."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
+from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.planning.layer_plan import LayerPlan, check_plan
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.settings.variables import KTSettings
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from vllm_kt_plugin.cpu_backends.base import CPUExperts
+
+logger = logging.getLogger(LOGGER_NAME)
+
+QUANT_NAME = "kt-hybrid"
+
+
+def resolve_native_method_name(hf_quant_cfg: dict[str, Any]) -> str:
+    """The vLLM method for a checkpoint's ``quantization_config`` — e.g. ``gptq`` becomes
+    ``gptq_marlin`` where Marlin runs. vLLM decides this in
+    ``ModelConfig._verify_quantization``; we run that same code on a stand-in config."""
+    from vllm.config.model import ModelConfig
+
+    stand_in = SimpleNamespace(
+        quantization=None,
+        model_arch_config=SimpleNamespace(quantization_config=hf_quant_cfg),
+        hf_config=None,
+        allow_deprecated_quantization=False,
+    )
+    ModelConfig._verify_quantization(stand_in)  # type: ignore[arg-type]
+    name = stand_in.quantization
+    if not name:
+        raise ValueError(f"cannot tell the quantization method of {hf_quant_cfg!r}")
+    return str(name)
+
+
+@contextlib.contextmanager
+def _logged_config_errors() -> Iterator[None]:
+    """vLLM reports config errors inside a long pydantic traceback; log ours as one
+    plain line too, so the user sees the variable and the fix at once."""
+    try:
+        yield
+    except KTConfigError as e:
+        logger.error("kt-hybrid: %s", e)
+        raise
+
+
+class KTHybridConfig(QuantizationConfig):
+    """Wraps the checkpoint's quantization config (``native``; None if unquantized).
+
+    vLLM's model-executor modules are imported inside the methods that use them: every
+    vLLM process imports this module through ``register()`` at start-up, and they load
+    only once a model is built."""
+
+    def __init__(
+        self,
+        native: QuantizationConfig | None = None,
+        checkpoint: CheckpointFormat | None = None,
+        settings: KTSettings | None = None,
+    ) -> None:
+        self.native = native  # set first: the base __init__ assigns packed_modules_mapping
+        super().__init__()
+        self.checkpoint = checkpoint or CheckpointFormat()
+        with _logged_config_errors():
+            self.settings, self.backend = self._validated(settings or load_settings(), self.checkpoint)
+        self.layer_plan = LayerPlan(self.settings)
+        logger.info("kt-hybrid: native method %s; %s", self.native_name, self.settings.describe())
+
+    @staticmethod
+    def _validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSettings, type[CPUExperts]]:
+        backend = backend_class(settings.backend)
+        settings = settings.with_method(settings.method or backend.default_method(checkpoint))
+        backend.validate(settings, checkpoint)
+        return settings, backend
+
+    @property
+    def native_name(self) -> str:
+        return self.checkpoint.quant_method or "unquantized"
+
+    # --- what vLLM asks of a quantization config -------------------------------------
+
+    @classmethod
+    def get_name(cls) -> str:  # type: ignore[override]
+        return QUANT_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        if self.native is not None:
+            return self.native.get_supported_act_dtypes()
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    def get_min_capability(self) -> int:  # type: ignore[override]
+        return self.native.get_min_capability() if self.native is not None else 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> KTHybridConfig:
+        """Called with the checkpoint's ``quantization_config`` when it has one."""
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        name = resolve_native_method_name(config)
+        native = get_quantization_config(name).from_config(config)
+        return cls(native=native, checkpoint=CheckpointFormat(name, dict(config)))
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        """A quantized checkpoint plus ``--quantization kt-hybrid`` is kt-hybrid around
+        the checkpoint's method, not a mismatch."""
+        return QUANT_NAME if user_quant == QUANT_NAME else None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        if self.native is not None:
+            self.native.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+        if hf_config is not None:
+            with _logged_config_errors():
+                self.check_model(hf_config, model_name)
+
+    def check_model(self, hf_config: Any, model_name: str) -> None:
+        """Model-dependent checks, in the front end, before the engine starts."""
+        from vllm.transformers_utils.model_arch_config_convertor import (
+            MODEL_ARCH_CONFIG_CONVERTORS,
+            ModelArchConfigConvertorBase,
+        )
+
+        text_config = hf_config.get_text_config()
+        convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
+            getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase
+        )
+        convertor = convertor_cls(hf_config, text_config)
+        self.settings.check_model(convertor.get_num_experts(), convertor.get_num_experts_per_token())
+        check_plan(self.settings, hf_config.to_dict(), convertor.get_num_experts())
+        if os.path.isdir(model_name):
+            self.backend.check_model_dir(self.settings, model_name)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
+
+            with _logged_config_errors():
+                return KTHybridMoEMethod(layer, prefix, self)
+        return self.native_quant_method(layer, prefix)
+
+    def native_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """What vLLM would use for ``layer`` without kt-hybrid."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.quantization.base_config import resolve_quant_method
+
+        if self.native is not None:
+            return resolve_quant_method(self.native, layer, prefix)
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    def native_moe_method(self, layer: RoutedExperts, prefix: str) -> FusedMoEMethodBase:
+        from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        method = self.native_quant_method(layer, prefix)
+        if method is None:
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        assert isinstance(method, FusedMoEMethodBase), method
+        return method
+
+    # --- checkpoint-format helpers belong to the native method -------------------------
+
+    def get_cache_scale_mapper(self) -> WeightsMapper:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.get_cache_scale_mapper()
+        return super().get_cache_scale_mapper()
+
+    def get_checkpoint_weight_mapper(self) -> WeightsMapper:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.get_checkpoint_weight_mapper()
+        return super().get_checkpoint_weight_mapper()
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
+        if self.native is not None:
+            self.native.apply_vllm_mapper(hf_to_vllm_mapper)
+
+    @property  # type: ignore[override]
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        return self._packed_modules_mapping
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, mapping: dict[str, list[str]]) -> None:
+        self._packed_modules_mapping = mapping
+        if self.native is not None:
+            self.native.packed_modules_mapping = mapping
+
+    def __getattr__(self, name: str) -> Any:
+        """Model code sometimes reads attributes of its checkpoint's config (e.g.
+        ``weight_block_size``); answer from the native config."""
+        native = self.__dict__.get("native")
+        if native is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(native, name)

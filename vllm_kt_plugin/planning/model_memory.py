@@ -1,0 +1,179 @@
+"""How many bytes a MoE model's weights take, estimated from its Hugging Face config.
+
+Used to size the GPU expert budget (``KT_NUM_GPU_EXPERTS=auto``, the preset tables) and
+the RAM the CPU experts need (``vllm-kt doctor``) before any weight is read. Estimates
+count the large matrices only (projections, experts, embeddings, routers); norms and
+biases are a rounding error next to them.
+
+Conventions: 1 GB here is 2**30 bytes (``settings.catalogue.GIB``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+
+# Bytes per weight of the CPU experts in each kt-kernel method's format, scales included
+# (approximate: group/block scales add a few percent at most).
+KT_METHOD_BYTES_PER_WEIGHT: dict[str, float] = {
+    "BF16": 2.0,
+    "FP8": 1.0 + 4 / (128 * 128),
+    "FP8_PERCHANNEL": 1.0,
+    "MXFP8": 1.0 + 1 / 32,
+    "AMXINT8": 1.0,
+    "MOE_INT8": 1.0,
+    "AMXINT4": 0.5 + 4 / 128,
+    "MOE_INT4": 0.5 + 4 / 128,
+    "RAWINT4": 0.5 + 2 / 32,
+    "GPTQ_INT4": 0.5 + 2 / 128,
+    "SYCL_GPTQ_INT4": 0.5 + 2 / 128,
+    "MXFP4": 0.5 + 1 / 32,
+    "NVFP4": 0.5 + 1 / 16,
+}
+
+
+class ModelConfigError(ValueError):
+    """A model config lacks a field the estimate needs; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Weight sizes of one model as vLLM places it on one GPU (tensor parallel size 1)."""
+
+    num_experts: int  # routed experts per MoE layer
+    moe_layers: tuple[int, ...]  # decoder layer indices that have routed experts
+    expert_params: int  # weights of one routed expert (gate, up, down)
+    expert_bytes: int  # one routed expert on the GPU, in the checkpoint's format
+    non_expert_bytes: int  # everything else vLLM puts on the GPU
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def gpu_bytes(self, gpu_experts_per_layer: int) -> int:
+        """GPU weight bytes with ``gpu_experts_per_layer`` experts kept in each MoE layer."""
+        return self.non_expert_bytes + gpu_experts_per_layer * self.num_moe_layers * self.expert_bytes
+
+    def cpu_expert_bytes(self, kt_method: str) -> int | None:
+        """RAM kt-kernel needs for the experts: it loads every expert of each layer (the
+        GPU ones too). None when the method's size is unknown (LLAMAFILE: per GGUF type)."""
+        per_weight = KT_METHOD_BYTES_PER_WEIGHT.get(kt_method.upper())
+        if per_weight is None:
+            return None
+        return int(per_weight * self.expert_params * self.num_experts * self.num_moe_layers)
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Multimodal configs nest the language model under ``text_config``."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        return {**text, "quantization_config": config.get("quantization_config") or text.get("quantization_config")}
+    return config
+
+
+def _required(config: Mapping[str, Any], *names: str) -> int:
+    for name in names:
+        value = config.get(name)
+        if value is not None:
+            return int(value)
+    raise ModelConfigError(f"model config has none of {', '.join(names)}; cannot estimate its weight sizes")
+
+
+def num_routed_experts(config: Mapping[str, Any]) -> int:
+    return _required(_text_config(config), "n_routed_experts", "num_experts", "num_local_experts")
+
+
+def moe_layer_indices(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """Decoder layers with routed experts, by the rules of DeepSeek/GLM
+    (``first_k_dense_replace``, ``moe_layer_freq``), Qwen-MoE (``decoder_sparse_step``,
+    ``mlp_only_layers``) and Mixtral (every layer)."""
+    text_config = _text_config(config)
+    layers = _required(text_config, "num_hidden_layers")
+    first_dense = int(text_config.get("first_k_dense_replace") or 0)
+    every = int(text_config.get("moe_layer_freq") or text_config.get("decoder_sparse_step") or 1)
+    dense_only = set(text_config.get("mlp_only_layers") or ())
+    if "decoder_sparse_step" in text_config:  # Qwen: layer i is sparse when (i + 1) % step == 0
+        return tuple(i for i in range(layers) if i not in dense_only and (i + 1) % every == 0)
+    return tuple(i for i in range(first_dense, layers) if i not in dense_only and (i - first_dense) % every == 0)
+
+
+def dtype_bytes(config: Mapping[str, Any]) -> int:
+    name = str(_text_config(config).get("torch_dtype") or config.get("dtype") or "bfloat16")
+    name = name.removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ModelConfigError(f"model config dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def linear_bytes_per_weight(config: Mapping[str, Any]) -> float:
+    """Bytes per weight of the checkpoint's linear layers (experts, projections),
+    from ``quantization_config``: fp8 with its block scales, n-bit integer formats with
+    their group scales, else the model dtype."""
+    quant = _text_config(config).get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        return 1.0 + (4 / (block[0] * block[1]) if block else 0.0)
+    bits = quant.get("bits") or quant.get("w_bit")
+    for group in (quant.get("config_groups") or {}).values():
+        bits = bits or (group.get("weights") or {}).get("num_bits")
+    if bits:
+        group_size = int(quant.get("group_size") or quant.get("q_group_size") or 128)
+        return int(bits) / 8 + 2 / max(group_size, 1)
+    return float(dtype_bytes(config))
+
+
+def _attention_params(text_config: Mapping[str, Any], hidden: int) -> int:
+    """Projection weights of one attention layer: MLA (DeepSeek, Kimi) or GQA/MHA."""
+    heads = _required(text_config, "num_attention_heads")
+    if text_config.get("kv_lora_rank"):
+        nope, rope = _required(text_config, "qk_nope_head_dim"), _required(text_config, "qk_rope_head_dim")
+        v_dim, kv_rank = _required(text_config, "v_head_dim"), _required(text_config, "kv_lora_rank")
+        q_rank = text_config.get("q_lora_rank")
+        q = q_rank * (hidden + heads * (nope + rope)) if q_rank else hidden * heads * (nope + rope)
+        return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+    head_dim = int(text_config.get("head_dim") or hidden // heads)
+    kv_heads = int(text_config.get("num_key_value_heads") or heads)
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+
+
+def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
+    """Weight sizes from a config.json dict.
+
+    expert = 3 * hidden * moe_intermediate weights (gate, up, down); non-expert = attention
+    of every layer + dense MLPs of the dense layers + shared experts + routers + embeddings
+    (+ an untied lm_head). Linear weights use the checkpoint's quantized size, embeddings
+    and routers the model dtype.
+    """
+    text_config = _text_config(config)
+    hidden = _required(text_config, "hidden_size")
+    num_layers = _required(text_config, "num_hidden_layers")
+    experts = num_routed_experts(text_config)
+    moe_layers = moe_layer_indices(text_config)
+    expert_inter = _required(text_config, "moe_intermediate_size", "intermediate_size")
+    dense_inter = int(text_config.get("intermediate_size") or expert_inter)
+    shared_inter = int(text_config.get("n_shared_experts") or 0) * expert_inter + int(
+        text_config.get("shared_expert_intermediate_size") or 0
+    )
+    vocab = _required(text_config, "vocab_size")
+
+    expert_params = 3 * hidden * expert_inter
+    linear_params = (
+        num_layers * _attention_params(text_config, hidden)
+        + (num_layers - len(moe_layers)) * 3 * hidden * dense_inter
+        + len(moe_layers) * 3 * hidden * shared_inter
+    )
+    plain_params = len(moe_layers) * experts * hidden + vocab * hidden * (
+        1 if text_config.get("tie_word_embeddings") else 2
+    )
+    per_linear, per_plain = linear_bytes_per_weight(config), dtype_bytes(config)
+    return ModelMemory(
+        num_experts=experts,
+        moe_layers=moe_layers,
+        expert_params=expert_params,
+        expert_bytes=int(expert_params * per_linear),
+        non_expert_bytes=int(linear_params * per_linear + plain_params * per_plain),
+    )

@@ -1,0 +1,273 @@
+"""KT_* variables parsed and checked: ``KTSettings.from_env``.
+
+Each value is checked once, against the catalogue's rules, with one ``KTConfigError``
+line per mistake, before any weight is loaded. Checks that need the model (number of
+experts, top-k) or vLLM's scheduler budget run as soon as those are known, still before
+weights. Presets and the routing profile are composed on top by ``settings.loader``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from vllm_kt_plugin.settings.catalogue import (
+    DEFAULT_BACKEND,
+    LOGGER_NAME,
+    PLACEMENT_STRATEGIES,
+    RESERVED_CORES,
+    default_cache_dir,
+)
+from vllm_kt_plugin.settings.errors import KTConfigError
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+def check_cache_dir(path: str) -> str:
+    """Create the cache directory now: one that cannot be written would otherwise fail
+    only after vLLM has loaded every GPU weight and quantized the first layer."""
+    where = Path(path).expanduser()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KTConfigError("KT_CACHE_DIR", path, f"cannot create it: {exc.strerror}") from None
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise KTConfigError("KT_CACHE_DIR", path, "not a writable directory")
+    return str(where.resolve())
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity and cgroup-pinned sets respected)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def numa_node_count() -> int:
+    nodes = glob.glob("/sys/devices/system/node/node[0-9]*")
+    return max(1, len(nodes))
+
+
+def default_cpuinfer_threads(cores: int) -> int:
+    """All cores minus two: kt's spinning workers plus the Python and CUDA-callback
+    threads oversubscribe a fully used CPU (13-26x slower measured on the H200 host)."""
+    return max(1, cores - RESERVED_CORES)
+
+
+def oversubscription(threads: int, cores: int) -> str | None:
+    """Why ``threads`` kt-kernel threads on ``cores`` usable cores is slow, or None."""
+    if threads < cores:
+        return None
+    return (
+        f"KT_CPUINFER={threads} uses all {cores} usable cores: kt-kernel's spinning workers then compete "
+        f"with vLLM's own threads (13-26x slower measured); leave at least {RESERVED_CORES} cores free, "
+        f"e.g. KT_CPUINFER={default_cpuinfer_threads(cores)}"
+    )
+
+
+def check_threadpool_count(pools: int, threads: int, numa_nodes: int) -> None:
+    """One kt-kernel thread pool per NUMA node at most, each with at least one thread."""
+    if pools > numa_nodes:
+        raise KTConfigError("KT_THREADPOOL_COUNT", str(pools), f"this machine has {numa_nodes} NUMA node(s)")
+    if pools > threads:
+        raise KTConfigError("KT_THREADPOOL_COUNT", str(pools), f"only {threads} CPU thread(s) (KT_CPUINFER)")
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise KTConfigError(name, raw, "not an integer") from None
+    if value < minimum:
+        raise KTConfigError(name, raw, f"must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float | None = None) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise KTConfigError(name, raw, "not a number") from None
+    if not value >= minimum or (maximum is not None and value > maximum):  # `not >=` also catches nan
+        raise KTConfigError(
+            name, raw, f"must be in [{minimum:g}, {maximum:g}]" if maximum is not None else f"must be >= {minimum:g}"
+        )
+    return value
+
+
+def _str(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class KTSettings:
+    """Validated KT_* settings. ``None`` means "use the default that depends on the
+    model or on vLLM", resolved by the ``resolve_*`` helpers once that is known."""
+
+    backend: str = DEFAULT_BACKEND
+    method: str | None = None
+    weight_path: str | None = None
+    num_gpu_experts: int = 0
+    cpuinfer_threads: int = 1
+    threadpool_count: int = 1
+    chunked_prefill_size: int | None = None
+    max_deferred_experts_per_token: int = 0
+    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
+    gpu_experts_auto: bool = False  # KT_NUM_GPU_EXPERTS=auto; num_gpu_experts is then 0 until resolved
+    gpu_experts_ratio: float | None = None
+    kv_cache_reserve_gb: float | None = None
+    gpu_memory_gb: float | None = None
+    expert_placement: str = "uniform"
+    expert_profile: str | None = None
+    expert_placement_seed: int = 0
+    metrics_interval_s: float = 0.0
+    preset: str | None = None  # the KT_CONFIG preset file applied, for the log
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        cores: int | None = None,
+        numa_nodes: int | None = None,
+    ) -> KTSettings:
+        """Parse and check every KT_* variable that needs no model knowledge."""
+        env = os.environ if env is None else env
+        cores = usable_cores() if cores is None else cores
+        numa_nodes = numa_node_count() if numa_nodes is None else numa_nodes
+        backend = _str(env, "KT_BACKEND") or DEFAULT_BACKEND
+        method = _str(env, "KT_METHOD")
+        if method is not None:
+            method = method.upper()
+
+        weight_path = _str(env, "KT_WEIGHT_PATH")
+        if weight_path is not None:
+            path = Path(weight_path).expanduser()
+            if not path.exists():
+                raise KTConfigError("KT_WEIGHT_PATH", weight_path, "no such directory")
+            if not path.is_dir():
+                raise KTConfigError("KT_WEIGHT_PATH", weight_path, "not a directory")
+            weight_path = str(path.resolve())
+
+        gpu_auto = (_str(env, "KT_NUM_GPU_EXPERTS") or "").lower() == "auto"
+        num_gpu = None if gpu_auto else _int(env, "KT_NUM_GPU_EXPERTS", 0)
+        ratio = _float(env, "KT_GPU_EXPERTS_RATIO", 0.0, 1.0)
+        if ratio is not None and _str(env, "KT_NUM_GPU_EXPERTS") is not None:
+            raise KTConfigError(
+                "KT_GPU_EXPERTS_RATIO", env["KT_GPU_EXPERTS_RATIO"], "KT_NUM_GPU_EXPERTS is set too; set only one"
+            )
+        placement, profile = _placement(env)
+        threads = _int(env, "KT_CPUINFER", 1)
+        if threads is None:
+            threads = default_cpuinfer_threads(cores)
+        elif (warning := oversubscription(threads, cores)) is not None:
+            logger.warning("kt-hybrid: %s", warning)
+        pools = _int(env, "KT_THREADPOOL_COUNT", 1) or 1
+        check_threadpool_count(pools, threads, numa_nodes)
+        chunk = _int(env, "KT_CHUNKED_PREFILL_SIZE", 1)
+        deferred = _int(env, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", 0) or 0
+        cache_dir = _str(env, "KT_CACHE_DIR")
+
+        return cls(
+            backend=backend,
+            method=method,
+            weight_path=weight_path,
+            num_gpu_experts=num_gpu or 0,
+            cpuinfer_threads=threads,
+            threadpool_count=pools,
+            chunked_prefill_size=chunk,
+            max_deferred_experts_per_token=deferred,
+            cache_dir=check_cache_dir(cache_dir) if cache_dir else str(default_cache_dir()),
+            gpu_experts_auto=gpu_auto,
+            gpu_experts_ratio=ratio,
+            kv_cache_reserve_gb=_float(env, "KT_KV_CACHE_RESERVE_GB", 0.0),
+            gpu_memory_gb=parse_positive_float(env, "KT_GPU_MEMORY_GB"),
+            expert_placement=placement,
+            expert_profile=profile,
+            expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
+            metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
+        )
+
+    def with_method(self, method: str) -> KTSettings:
+        return replace(self, method=method)
+
+    def check_model(self, num_experts: int, top_k: int) -> None:
+        """Checks that need the model's expert count and top-k (known from its config)."""
+        if num_experts <= 0:
+            raise KTConfigError(
+                "--quantization",
+                "kt-hybrid",
+                "this model's config declares no routed experts",
+                "a Mixture-of-Experts model",
+            )
+        if self.num_gpu_experts > num_experts:
+            raise KTConfigError(
+                "KT_NUM_GPU_EXPERTS",
+                str(self.num_gpu_experts),
+                f"the model has {num_experts} routed experts per layer",
+            )
+        if top_k and self.max_deferred_experts_per_token >= top_k:
+            raise KTConfigError(
+                "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN",
+                str(self.max_deferred_experts_per_token),
+                f"the model routes each token to {top_k} experts",
+            )
+
+    def resolve_chunked_prefill_size(self, max_num_batched_tokens: int) -> int:
+        """kt-kernel's C++ output buffer holds ``chunked_prefill_size`` tokens; a larger
+        vLLM batch would overrun it, so the chunk must cover vLLM's token budget."""
+        if self.chunked_prefill_size is None:
+            return max_num_batched_tokens
+        if self.chunked_prefill_size < max_num_batched_tokens:
+            raise KTConfigError(
+                "KT_CHUNKED_PREFILL_SIZE",
+                str(self.chunked_prefill_size),
+                f"vLLM batches up to max_num_batched_tokens={max_num_batched_tokens} tokens; "
+                "raise it or lower --max-num-batched-tokens",
+            )
+        return self.chunked_prefill_size
+
+    def describe(self) -> str:
+        gpu = "auto" if self.gpu_experts_auto else self.num_gpu_experts
+        if self.gpu_experts_ratio is not None:
+            gpu = f"ratio {self.gpu_experts_ratio:g}"
+        return (
+            f"backend={self.backend} method={self.method} gpu_experts={gpu} "
+            f"placement={self.expert_placement} "
+            f"threads={self.cpuinfer_threads} pools={self.threadpool_count} "
+            f"weight_path={self.weight_path or '<model dir>'}" + (f" preset={self.preset}" if self.preset else "")
+        )
+
+
+def parse_positive_float(env: Mapping[str, str], name: str) -> float | None:
+    value = _float(env, name, 0.0)
+    if value == 0.0:
+        raise KTConfigError(name, env[name], "must be > 0")
+    return value
+
+
+def _placement(env: Mapping[str, str]) -> tuple[str, str | None]:
+    """KT_EXPERT_PLACEMENT and the path of its routing profile (read by the loader)."""
+    placement = (_str(env, "KT_EXPERT_PLACEMENT") or "uniform").lower()
+    if placement not in PLACEMENT_STRATEGIES:
+        raise KTConfigError("KT_EXPERT_PLACEMENT", env["KT_EXPERT_PLACEMENT"], "unknown strategy")
+    profile = _str(env, "KT_EXPERT_PROFILE")
+    if placement == "frequency" and profile is None:
+        raise KTConfigError("KT_EXPERT_PLACEMENT", placement, "KT_EXPERT_PROFILE is unset")
+    if profile is not None:
+        profile = str(Path(profile).expanduser().resolve())
+    return placement, profile

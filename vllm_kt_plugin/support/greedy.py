@@ -1,0 +1,20 @@
+"""Greedy completions from a fresh vLLM engine, with the top-2 logprobs of every step:
+what the end-to-end tests compare between kt-hybrid and plain vLLM. Runs in a child
+process (``support.child``); KT_* settings come from its environment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import LLM, SamplingParams  # deferred: runs in the child process only
+
+    engine = LLM(model=model, max_model_len=256, seed=0, **llm)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    results = []
+    for output in engine.generate(prompts, params):
+        completion = output.outputs[0]
+        top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in completion.logprobs]
+        results.append({"ids": list(completion.token_ids), "top2": top2, "text": completion.text})
+    return results
