@@ -1,11 +1,13 @@
-"""A mistake in a KT_* variable stops `vllm serve` before any weight is loaded, with a
-line naming the variable, the value and what is allowed."""
+"""A mistake in a KT_* variable, or CPU-expert weights kt-kernel cannot use, stops
+`vllm serve` before any weight is loaded, with a line naming the variable, the value and
+what is allowed (for broken weights: the layer, the expert and the file)."""
 
 from __future__ import annotations
 
 import subprocess
 
 import pytest
+from support.broken_weights import BREAKAGES, broken_copy
 from support.engines import clean_env
 
 from vllm_kt_plugin.support.server import vllm_command
@@ -22,12 +24,25 @@ pytestmark = pytest.mark.engine
     ],
 )
 def test_vllm_serve_stops_with_one_clear_line(tiny_model, variable: str, value: str, expected: str) -> None:
+    assert_stops_before_weights(tiny_model("qwen3_moe"), {variable: value}, expected)
+
+
+@pytest.mark.parametrize("kind", sorted(BREAKAGES))
+def test_broken_cpu_expert_weights_stop_vllm_serve(tiny_model, tmp_path, kind: str) -> None:
+    """KT_WEIGHT_PATH with a wrong-shaped expert tensor (kt-kernel would read it as if it
+    were right), a missing one, or a truncated file: one line naming layer, expert, file."""
     model = tiny_model("qwen3_moe")
+    broken = broken_copy(model, tmp_path / "weights", kind)
+    settings = {"KT_METHOD": "BF16", "KT_WEIGHT_PATH": str(broken), "KT_NUM_GPU_EXPERTS": "4"}
+    assert_stops_before_weights(model, settings, BREAKAGES[kind])
+
+
+def assert_stops_before_weights(model, settings: dict[str, str], expected: str) -> None:
     proc = subprocess.run(
         [*vllm_command(), "serve", str(model), "--quantization", "kt-hybrid"],
         capture_output=True,
         text=True,
-        env=clean_env(**{variable: value}),
+        env=clean_env(**settings),
         timeout=600,
     )
     output = proc.stdout + proc.stderr

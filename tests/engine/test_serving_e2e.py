@@ -50,7 +50,7 @@ def serve(model: Path, log: Path, kt: dict[str, str] | None) -> dict:
 
 
 def demo_settings() -> dict[str, str]:
-    lines = (Path(__file__).resolve().parents[1] / "configs" / "tiny-demo.env").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "configs" / "tiny-demo.env").read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 

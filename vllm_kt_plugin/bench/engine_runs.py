@@ -26,6 +26,7 @@ from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.support.child import run_child
+from vllm_kt_plugin.support.tiny_models import write_numbered_tokenizer
 
 # Built-in model shapes (Hugging Face config.json values), benchmarked with dummy weights.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -277,6 +278,8 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[str, str, di
     model_dir = workdir / f"model-{args.shape}"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if not (model_dir / "tokenizer.json").exists():  # `vllm serve` and `vllm bench serve` need one
+        write_numbered_tokenizer(model_dir, hf_config["vocab_size"])
     return str(model_dir), "dummy", hf_config
 
 

@@ -16,8 +16,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import SHAPES, host_info, model_sizes, plan_runs, prepare_model, run_in_child
+from vllm_kt_plugin.bench.engine_runs import (
+    SHAPES,
+    RunSpec,
+    host_info,
+    model_sizes,
+    plan_runs,
+    prepare_model,
+    run_in_child,
+)
 from vllm_kt_plugin.bench.layer_timing import layer_in_child
+from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_plugin.settings.catalogue import GIB, cache_root
 
@@ -47,6 +56,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         "target_gpu_weight_gb": args.gpu_weight_gb,
         "runs": [],
     }
+    if args.load:
+        return run_load(args, runs, report, log_dir)
     for spec in runs:
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
@@ -73,6 +84,38 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    """--load: every system behind `vllm serve` under `vllm bench serve`."""
+    report["load"] = {"input_len": args.load_input_len, "output_len": args.load_output_len, "runs": []}
+    # --cpu-offload-gb is by far the slowest: last, so a sitting cut short keeps the others.
+    for spec in sorted(runs, key=lambda spec: spec.system == "vllm-offload"):
+        if spec.enforce_eager:
+            continue
+        load = args.offload_load if spec.system == "vllm-offload" and args.offload_load else args.load
+        prompts, concurrency = load
+        report["load"]["runs"].append(
+            load_run(
+                spec,
+                prompts=prompts,
+                concurrency=concurrency,
+                input_len=args.load_input_len,
+                output_len=args.load_output_len,
+                log_dir=log_dir,
+                timeout_s=args.timeout,
+            )
+        )
+        save(report, args.out)
+    return report
+
+
+def _load_spec(text: str) -> tuple[int, int]:
+    prompts, _, concurrency = text.partition(":")
+    try:
+        return int(prompts), int(concurrency)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PROMPTS:CONCURRENCY, e.g. 1000:64") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="built-in model shape")
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
@@ -85,6 +128,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=str(cache_root() / "bench"))
     parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON path (PNG beside it)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
+    parser.add_argument(
+        "--load",
+        type=_load_spec,
+        metavar="PROMPTS:CONCURRENCY",
+        help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve`",
+    )
+    parser.add_argument(
+        "--offload-load", type=_load_spec, metavar="PROMPTS:CONCURRENCY", help="--load for vllm-offload (it is slow)"
+    )
+    parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
+    parser.add_argument("--load-output-len", type=int, default=16, help="--load: new tokens per request")
 
 
 def run(args: argparse.Namespace) -> int:

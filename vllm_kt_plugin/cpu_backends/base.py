@@ -80,8 +80,9 @@ class CPUExperts(ABC):
         """Config-time checks; raise KTConfigError naming the variable on a mistake."""
 
     @classmethod
-    def check_model_dir(cls, settings: KTSettings, model_dir: str) -> None:
-        """Checks against the local model directory, once vLLM names it (default: none)."""
+    def check_model(cls, settings: KTSettings, model: str, hf_config: Mapping[str, Any]) -> None:
+        """Checks against the model (``model`` as given to vLLM: a directory or a hub id, and
+        its config.json), in the front end before any weight loads (default: none)."""
         return
 
     def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:

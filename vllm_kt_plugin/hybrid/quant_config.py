@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -154,8 +153,7 @@ class KTHybridConfig(QuantizationConfig):
         convertor = convertor_cls(hf_config, text_config)
         self.settings.check_model(convertor.get_num_experts(), convertor.get_num_experts_per_token())
         check_plan(self.settings, hf_config.to_dict(), convertor.get_num_experts())
-        if os.path.isdir(model_name):
-            self.backend.check_model_dir(self.settings, model_name)
+        self.backend.check_model(self.settings, model_name, hf_config.to_dict())
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts

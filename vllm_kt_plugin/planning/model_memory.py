@@ -66,6 +66,26 @@ class ModelMemory:
         return int(per_weight * self.expert_params * self.num_experts * self.num_moe_layers)
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """The routed experts of a model as kt-kernel sees them (full, unsplit widths)."""
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+
+def expert_shape(config: Mapping[str, Any]) -> ExpertShape:
+    text_config = _text_config(config)
+    return ExpertShape(
+        moe_layers=moe_layer_indices(text_config),
+        num_experts=num_routed_experts(text_config),
+        hidden_size=_required(text_config, "hidden_size"),
+        intermediate_size=_required(text_config, "moe_intermediate_size", "intermediate_size"),
+    )
+
+
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """Multimodal configs nest the language model under ``text_config``."""
     text = config.get("text_config")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -25,12 +26,11 @@ def free_port() -> int:
 
 
 def vllm_command() -> list[str]:
-    """The ``vllm`` console script of this environment."""
+    """The ``vllm`` command of this environment: its console script, or vLLM's CLI module
+    where no script was installed (e.g. ``pip install --target``)."""
     script = Path(sys.executable).with_name("vllm")
     found = str(script) if script.exists() else shutil.which("vllm")
-    if not found:
-        raise SystemExit("`vllm` is not installed in this environment; run scripts/setup.sh")
-    return [found]
+    return [found] if found else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 class VLLMServer:
@@ -52,14 +52,23 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else Path(os.devnull)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, progress: Callable[[float], None] | None = None) -> VLLMServer:
+    def launch(self) -> VLLMServer:
+        """Start ``vllm serve`` in a process group of its own and return at once."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's lifetime
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        return self
+
+    def start(self, progress: Callable[[float], None] | None = None) -> VLLMServer:
+        """Launch, then wait until ``/health`` answers."""
+        self.launch()
+        assert self.proc is not None
         start = time.monotonic()
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if self._healthy():
+            if self.healthy():
                 return self
             elapsed = time.monotonic() - start
             if elapsed > SERVER_START_TIMEOUT_S:
@@ -69,7 +78,12 @@ class VLLMServer:
                 progress(elapsed)
             time.sleep(1)
 
-    def _healthy(self) -> bool:
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server is not started"
+        return self.proc.pid
+
+    def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
                 return r.status == 200
@@ -84,17 +98,46 @@ class VLLMServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
+        """Ask vLLM to shut down (SIGINT); kill its whole process group if it does not."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the server and every process it started (engine core included)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants (vLLM's API server, engine core
+    and their helpers), from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+        child = int(status.parent.name)
+        children.setdefault(int(fields["PPid"]), []).append(child)
+        rss[child] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        total += rss.get(current, 0)
+        todo.extend(children.get(current, []))
+    return total

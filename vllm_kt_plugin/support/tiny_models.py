@@ -161,6 +161,20 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
     return len(fast)
 
 
+def write_numbered_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A tokenizer whose tokens are "<0>" .. "<vocab_size-1>", split on spaces: text made of
+    them encodes back to the same ids, for benchmarking a model shape without its real
+    tokenizer (``vllm bench serve``'s random prompts are token ids decoded to text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", eos_token="<1>").save_pretrained(out_dir)
+
+
 def _set_router_bias(model: Any, seed: int) -> dict[str, Any]:
     """DeepSeek-V3's noaux_tc router adds e_score_correction_bias before top-k. Give it
     non-zero values (so the tests exercise it) before training; return them by

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,10 +28,13 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     ExpertTensors,
     cache_folder,
     layer_is_cached,
+    layer_is_damaged,
     quantize_into_cache,
 )
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
 from vllm_kt_plugin.hookspecs import hookimpl
-from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
+from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
 
@@ -58,6 +63,38 @@ def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> N
             "set KT_WEIGHT_PATH to a directory with the CPU expert weights",
         )
     raise KTConfigError("KT_WEIGHT_PATH", directory, f"holds no {missing} files, which KT_METHOD={method} reads")
+
+
+def _check_cache_room(
+    settings: KTSettings, model: str, model_dir: str | None, hf_config: Mapping[str, Any], shape: ExpertShape
+) -> None:
+    """Online AMX weights of the layers not cached yet must fit in KT_CACHE_DIR's free space:
+    a disk that fills up mid-way would fail only after vLLM loaded every GPU weight."""
+    method = settings.method
+    assert method is not None
+    total = estimate_model_memory(hf_config).cpu_expert_bytes(method)
+    if total is None:
+        return
+    has_weights = model_dir is not None and any(Path(model_dir).glob("*.safetensors"))
+    folder = cache_folder(
+        settings.cache_dir,
+        model=model,
+        model_dir=model_dir if has_weights else None,  # a config-only directory: dummy weights
+        method=method,
+        pools=settings.threadpool_count,
+        shape=(shape.num_experts, shape.hidden_size, shape.intermediate_size),
+    )
+    missing = [i for i in shape.moe_layers if not layer_is_cached(folder, i, shape.num_experts)]
+    need = total * len(missing) // max(len(shape.moe_layers), 1)
+    free = shutil.disk_usage(settings.cache_dir).free
+    if need > free:
+        raise KTConfigError(
+            "KT_CACHE_DIR",
+            settings.cache_dir,
+            f"the {method} CPU experts of {len(missing)} uncached layers need ~{need / GIB:.1f} GB there, "
+            f"{free / GIB:.1f} GB are free",
+            "a writable directory with room for them (or free space there)",
+        )
 
 
 def _ct_weight_scheme(quant_config: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +184,31 @@ class KTKernelExperts(CPUExperts):
         check_cache_dir(settings.cache_dir)
 
     @classmethod
-    def check_model_dir(cls, settings: KTSettings, model_dir: str) -> None:
-        if settings.weight_path is None and settings.method is not None:
-            _check_weight_files(settings.method, model_dir, is_model_dir=True)
+    def check_model(cls, settings: KTSettings, model: str, hf_config: Mapping[str, Any]) -> None:
+        """Before any weight loads: the files kt-kernel will read (every expert present, of
+        the model's shape, every file readable), and room in KT_CACHE_DIR for online weights."""
+        method = settings.method
+        assert method is not None, "the quant config resolves the method first"
+        model_dir = model if os.path.isdir(model) else None
+        if settings.weight_path is None and model_dir is not None:
+            _check_weight_files(method, model_dir, is_model_dir=True)
+        try:
+            shape = expert_shape(hf_config)
+        except ModelConfigError:  # a config layout we cannot read: kt-kernel's own checks remain
+            return
+        directory = settings.weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
+        if directory is not None and method in READS_HF_CHECKPOINT:
+            check_weight_files(
+                method,
+                directory,
+                shape.moe_layers,
+                shape.num_experts,
+                shape.hidden_size,
+                shape.intermediate_size,
+                is_model_dir=settings.weight_path is None,
+            )
+        if settings.weight_path is None and method in QUANTIZES_ONLINE:
+            _check_cache_room(settings, model, model_dir, hf_config, shape)
 
     def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
         super().__init__(spec, settings)
@@ -200,6 +259,14 @@ class KTKernelExperts(CPUExperts):
             cache = self.cache
             spec = self.spec
             self._needs_quantizing = cache is not None and not layer_is_cached(cache, spec.layer_idx, spec.num_experts)
+            if cache is not None and layer_is_damaged(cache, spec.layer_idx, spec.num_experts):
+                logger.warning(
+                    "kt-hybrid: %s: the cached %s layer in %s is incomplete or damaged (files missing or cut "
+                    "short); quantizing it again",
+                    spec.layer_name,
+                    self.method,
+                    cache / f"_layer_{spec.layer_idx}",
+                )
         return self._needs_quantizing
 
     def _wrapper_args(self, max_deferred_experts_per_token: int = 0) -> dict[str, Any]:

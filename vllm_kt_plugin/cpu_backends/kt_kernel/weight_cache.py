@@ -88,6 +88,12 @@ def layer_is_cached(folder: Path, layer_idx: int, num_experts: int) -> bool:
     return (layer_dir / MARKER).is_file() and layer_files_complete(layer_dir, num_experts)
 
 
+def layer_is_damaged(folder: Path, layer_idx: int, num_experts: int) -> bool:
+    """A layer folder that exists but does not count as cached: files lost or cut short
+    after it was published, or left unmarked by an older interrupted start."""
+    return (folder / f"_layer_{layer_idx}").exists() and not layer_is_cached(folder, layer_idx, num_experts)
+
+
 @dataclass
 class ExpertTensors:
     """One layer's gate/up/down tensors for every expert, filled as vLLM loads them."""

@@ -1,0 +1,154 @@
+"""The serving side of ``vllm-kt bench --load PROMPTS:CONCURRENCY``: each system behind
+``vllm serve`` (CUDA graphs at vLLM's default compilation), driven by vLLM's own load
+generator ``vllm bench serve`` with random prompts, so throughput, latency percentiles
+and failed requests come from the tool vLLM users already trust."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_plugin.bench.engine_runs import RunSpec
+from vllm_kt_plugin.support.server import VLLMServer, vllm_command
+
+SERVED_NAME = "bench"
+PERCENTILES = "50,90,99"
+# Figures kept from vLLM's result file (percentile keys follow PERCENTILES).
+SUMMARY_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "p50", "p90", "p99")),
+)
+
+
+def serve_args(spec: RunSpec, max_model_len: int) -> list[str]:
+    """``vllm serve`` flags equal to the engine mode's settings for ``spec``."""
+    args = [
+        "--served-model-name",
+        SERVED_NAME,
+        "--load-format",
+        spec.load_format,
+        "--max-model-len",
+        str(max_model_len),
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+    ]
+    if spec.enforce_eager:
+        args.append("--enforce-eager")
+    if spec.cpu_offload_gb:
+        args += ["--cpu-offload-gb", str(spec.cpu_offload_gb)]
+    if spec.system == "kt-hybrid":
+        args += ["--quantization", "kt-hybrid"]
+    return args
+
+
+def bench_serve_command(
+    base_url: str, model: str, prompts: int, concurrency: int, input_len: int, output_len: int, out: Path
+) -> list[str]:
+    return [
+        *vllm_command(),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--ignore-eos",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        PERCENTILES,
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
+def load_run(
+    spec: RunSpec,
+    *,
+    prompts: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    log_dir: Path,
+    timeout_s: int,
+) -> dict[str, Any]:
+    """One system behind ``vllm serve`` under ``vllm bench serve``; the summary of its result."""
+    name = f"load-{spec.name}"
+    result: dict[str, Any] = {
+        "system": spec.system,
+        "method": spec.method,
+        "prompts": prompts,
+        "concurrency": concurrency,
+    }
+    if spec.env:
+        result["env"] = spec.env
+    if spec.cpu_offload_gb:
+        result["cpu_offload_gb"] = spec.cpu_offload_gb
+    max_model_len = input_len + output_len + 16
+    server = VLLMServer(
+        spec.model, serve_args(spec, max_model_len), env=spec.env, log_path=log_dir / f"{name}-serve.log"
+    )
+    out = log_dir / f"{name}.json"
+    print(f"[bench] {name}: vllm serve, then {prompts} requests at concurrency {concurrency}", flush=True)
+    started = time.perf_counter()
+    try:
+        with server:
+            command = bench_serve_command(server.base_url, spec.model, prompts, concurrency, input_len, output_len, out)
+            with open(log_dir / f"{name}-client.log", "w") as log:
+                code = subprocess.run(
+                    command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=timeout_s
+                ).returncode
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+        result["error"] = str(exc)[-1500:]
+        return result
+    if code != 0 or not out.exists():
+        result["error"] = f"vllm bench serve exited {code}; see {log_dir / f'{name}-client.log'}"
+        return result
+    full = json.loads(out.read_text())
+    result.update({key: _rounded(full[key]) for key in SUMMARY_KEYS if key in full})
+    errors = [e for e in full.get("errors", []) if e]
+    if errors:
+        result["first_errors"] = errors[:3]
+    print(
+        f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {result.get('completed')} completed, "
+        f"{result.get('failed')} failed, {result.get('output_throughput')} output tok/s, "
+        f"p99 TTFT {result.get('p99_ttft_ms')} ms",
+        flush=True,
+    )
+    return result
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 2) if isinstance(value, float) else value
