@@ -27,7 +27,7 @@ fi
 
 stage "load bench"
 python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --methods AMXINT4 \
-    --load 1000:64 --offload-load 300:64 --load-input-len 128 --load-output-len 16 \
+    --load 1000:64 --offload-load 200:64 --load-input-len 128 --load-output-len 16 \
     --workdir /root/bench-work --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
 stage "load bench exit $?"
 tar czf "$BENCH_OUT/load-logs.tgz" -C /root/bench-work logs 2>/dev/null

@@ -29,9 +29,6 @@ from vllm_kt_plugin.settings.variables import KTSettings, parse_positive_float
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# configs/ at the top of the source tree is the one place presets are edited; the build
-# ships it as the data package vllm_kt_plugin.configs (pyproject.toml: package-dir).
-PRESET_DIR = Path(str(importlib.resources.files("vllm_kt_plugin.configs")))
 PRESET_KEYS = frozenset(
     {"name", "aliases", "description", "models", "settings", "methods", "model_config", "gpu_experts"}
 )
@@ -71,8 +68,19 @@ class _PresetErrors:
         return KTConfigError(key, value, reason, allowed, where=self.where)
 
 
-def preset_files(directory: Path = PRESET_DIR) -> list[Path]:
-    return sorted(directory.glob("*.yaml"))
+def preset_dir() -> Path:
+    """configs/, the one place presets are edited: shipped in the package as the data package
+    vllm_kt_plugin.configs (pyproject.toml: package-dir). Code run from a source checkout
+    without an editable install imports the checkout's vllm_kt_plugin/, which holds no
+    configs/: the presets are then beside it."""
+    try:
+        return Path(str(importlib.resources.files("vllm_kt_plugin.configs")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "configs"
+
+
+def preset_files(directory: Path | None = None) -> list[Path]:
+    return sorted((directory or preset_dir()).glob("*.yaml"))
 
 
 def _names_of(path: Path) -> list[str]:
@@ -86,7 +94,7 @@ def _names_of(path: Path) -> list[str]:
     return [str(data.get("name", path.stem)), path.stem, *map(str, aliases)]
 
 
-def find_preset(value: str, directory: Path = PRESET_DIR) -> Path:
+def find_preset(value: str, directory: Path | None = None) -> Path:
     """A preset file from KT_CONFIG: a path, or a name (or alias) of a file in configs/."""
     if "/" in value or value.endswith((".yaml", ".yml")):
         path = Path(value).expanduser()
