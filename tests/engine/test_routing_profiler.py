@@ -47,7 +47,13 @@ def test_frequency_placement_moves_hot_experts_to_the_gpu(tiny_model, tmp_path: 
         KT_EXPERT_PLACEMENT="frequency",
         KT_EXPERT_PROFILE=str(tmp_path / "uniform.json"),
     )
-    assert frequency["layers"] == uniform["layers"]  # same greedy tokens, same routing: same work
+    # Same greedy tokens, so the same number of picks per layer. Which expert wins a near
+    # tie can flip, though: moving experts between the native path and kt-kernel changes
+    # the rounding of the hidden states (one CI run saw one pick move in the last layer).
+    for layer, counts in uniform["layers"].items():
+        moved = frequency["layers"][layer]
+        assert sum(moved) == sum(counts)
+        assert sum(abs(a - b) for a, b in zip(moved, counts, strict=True)) <= 0.02 * sum(counts), (moved, counts)
     for layer, counts in uniform["layers"].items():
         on_gpu = frequency["gpu_expert_ids"][layer]
         assert on_gpu == most_used_experts(counts, 2)
