@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The H200 sitting: GPU tests, then the benchmark whose JSON/PNG are committed under
-# benchmarks/results/. Run from the repo root on a GPU host prepared as in
-# ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite). It can run
-# detached (`setsid nohup bash benchmarks/run_h200.sh &`): everything goes to $BENCH_OUT.
+# One H200 sitting: GPU tests, the engine benchmark and the load benchmark, whose JSON/PNG
+# are committed under benchmarks/results/. Run from the repo root on a GPU host prepared
+# as in ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite), detached:
+#   setsid nohup bash benchmarks/run_h200.sh &
+# STAGES picks what runs (default: all, in this order); GPU_TESTS is pytest's -k filter.
+# Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
+STAGES=${STAGES:-"layer gpu-tests restart-test bench load"}
 mkdir -p "$BENCH_OUT"
 [ -f /root/gpusite/env.sh ] && source /root/gpusite/env.sh
 export PYTHONUNBUFFERED=1
-export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/gpucarry/tiny-models}
+export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
+wants() { [[ " $STAGES " == *" $1 "* ]]; }
+BENCH=(python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work)
 
 stage "install"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/gpusite . \
@@ -17,15 +22,39 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /ro
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$BENCH_OUT/host.txt" 2>&1
 lscpu >> "$BENCH_OUT/host.txt" 2>&1
 
-if [ -z "${SKIP_GPU_TESTS:-}" ]; then
+if wants layer; then  # one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
+  stage "layer"
+  "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4}" --layer-only \
+      --out "$BENCH_OUT/h200_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer.log" 2>&1
+  stage "layer exit $?"
+fi
+
+if wants gpu-tests; then
   stage "gpu tests"
-  python3 -m pytest -m gpu tests/engine/test_gpu.py -v -rs -p no:cacheprovider > "$BENCH_OUT/gpu-tests.log" 2>&1
+  python3 -m pytest -m gpu tests/engine/test_gpu.py -k "${GPU_TESTS:-}" -v -rs -p no:cacheprovider \
+      > "$BENCH_OUT/gpu-tests.log" 2>&1
   stage "gpu tests exit $?"
 fi
 
-stage "bench"
-python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --methods AMXINT4,AMXINT8 \
-    --workdir /root/bench-work --out "$BENCH_OUT/h200_qwen3_30b_a3b.json" > "$BENCH_OUT/bench.log" 2>&1
-stage "bench exit $?"
+if wants restart-test; then  # needs AMX kernels, which CI's CPUs lack
+  stage "restart test"
+  python3 -m pytest tests/engine/test_restarts.py -v -s -rs -p no:cacheprovider > "$BENCH_OUT/restart-test.log" 2>&1
+  stage "restart test exit $?"
+fi
+
+if wants bench; then
+  stage "bench"
+  "${BENCH[@]}" --methods "${METHODS:-AMXINT4,AMXINT8}" --prefill-off-check \
+      --out "$BENCH_OUT/h200_qwen3_30b_a3b.json" > "$BENCH_OUT/bench.log" 2>&1
+  stage "bench exit $?"
+fi
+
+if wants load; then  # every system behind `vllm serve` under `vllm bench serve`
+  stage "load bench"
+  "${BENCH[@]}" --methods AMXINT4 --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
+      --load-input-len 128 --load-output-len 16 \
+      --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
+  stage "load bench exit $?"
+fi
 tar czf "$BENCH_OUT/bench-logs.tgz" -C /root/bench-work logs 2>/dev/null
 touch "$BENCH_OUT/DONE"

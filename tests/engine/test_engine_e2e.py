@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import PROMPTS, generate, install_zero_backend
+from support.engines import PROMPTS, generate, generate_logged, install_zero_backend, long_prompt
 from support.hardware import requires_kernel
 
 pytestmark = pytest.mark.engine
@@ -14,14 +14,31 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 24
 NUM_EXPERTS = 8  # per layer in the tiny models
 PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
+# GPU prefill forced low on the CPU build, in the "half on CPU" runs: the first forward
+# (the five short prompts, 30 tokens, and the long prompt's first chunk) takes it; decode
+# steps (6 tokens) do not; the 180-token prompt arrives in chunks of the 64-token budget.
+GPU_PREFILL = {"KT_GPU_PREFILL_MIN_TOKENS": "16"}
+PREFILL_RAN = "kt-hybrid: GPU prefill ran"
+ENGINE = {"max_num_batched_tokens": 64}
 _plain_cache: dict[str, list] = {}
+
+
+def prompts_for(model: Path) -> list[str]:
+    return PROMPTS + [long_prompt(model, 180)]
+
+
+def hybrid(model: Path, kt: dict[str, str], **env: str) -> list:
+    """kt-hybrid's greedy completions of this file's prompts, on this file's engine settings."""
+    return generate(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE, **env)
 
 
 def plain(model: Path) -> list:
     """Plain vLLM, plugin not even loaded (VLLM_PLUGINS names no plugin)."""
     key = str(model)
     if key not in _plain_cache:
-        _plain_cache[key] = generate(model, PROMPTS, kt=None, max_tokens=MAX_TOKENS, VLLM_PLUGINS="")
+        _plain_cache[key] = generate(
+            model, prompts_for(model), kt=None, max_tokens=MAX_TOKENS, llm=ENGINE, VLLM_PLUGINS=""
+        )
     return _plain_cache[key]
 
 
@@ -35,18 +52,18 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
     model = tiny_model(arch)
     expected = plain(model)
     assert all(len(r["ids"]) == MAX_TOKENS for r in expected)
-    got = generate(
-        model,
-        PROMPTS,
-        kt={"KT_BACKEND": "kt_kernel", "KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]},
-        max_tokens=MAX_TOKENS,
+    kt = {"KT_BACKEND": "kt_kernel", "KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
+    prefill = placement == "half on CPU"
+    got, log = generate_logged(
+        model, prompts_for(model), kt={**kt, **(GPU_PREFILL if prefill else {})}, max_tokens=MAX_TOKENS, llm=ENGINE
     )
     assert token_ids(got) == token_ids(expected)
+    assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
 
 
 def test_torch_backend_tokens_equal_plain_vllm(tiny_model) -> None:
     model = tiny_model("qwen3_moe")
-    got = generate(model, PROMPTS, kt={"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"}, max_tokens=MAX_TOKENS)
+    got = hybrid(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"})
     assert token_ids(got) == token_ids(plain(model))
 
 
@@ -55,13 +72,7 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
     ``vllm_kt_plugin.cpu_backends`` entry point) that returns zeros for the CPU experts
     must not reproduce plain vLLM's tokens."""
     model = tiny_model("qwen3_moe")
-    got = generate(
-        model,
-        PROMPTS,
-        kt={"KT_BACKEND": "zeros", "KT_NUM_GPU_EXPERTS": "4"},
-        max_tokens=MAX_TOKENS,
-        PYTHONPATH=install_zero_backend(tmp_path),
-    )
+    got = hybrid(model, {"KT_BACKEND": "zeros", "KT_NUM_GPU_EXPERTS": "4"}, PYTHONPATH=install_zero_backend(tmp_path))
     differing = [g != e for g, e in zip(token_ids(got), token_ids(plain(model)), strict=True)]
     assert sum(differing) >= 2, differing
 
@@ -70,15 +81,15 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
 def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path: Path) -> None:
     """AMXINT8 without KT_WEIGHT_PATH: quantized while vLLM loads the checkpoint, cached,
     and loaded from the cache on the next start (same tokens). INT8 is approximate, so
-    against plain vLLM: at most one of the five completions may differ, and the top
+    against plain vLLM: at most one of the six completions may differ, and the top
     logprobs stay within 0.1 nats while the tokens agree (measured: see the README)."""
     model = tiny_model("qwen3_moe")
     kt = {"KT_METHOD": "AMXINT8", "KT_NUM_GPU_EXPERTS": "1", "KT_CACHE_DIR": str(tmp_path)}
-    first = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
+    first = hybrid(model, kt)
     markers = sorted(tmp_path.rglob("vllm-kt.json"))
     assert len(markers) == 3, markers  # one per MoE layer of the tiny model
     stamps = [m.stat().st_mtime_ns for m in markers]
-    second = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
+    second = hybrid(model, kt)
     assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
     assert token_ids(first) == token_ids(second)
     expected = plain(model)
@@ -119,8 +130,8 @@ def test_expert_deferral_end_to_end(tiny_model) -> None:
     active) but keep greedy tokens and stay within DEFERRAL_DRIFT_BOUND of plain vLLM."""
     model = tiny_model("qwen3_moe")
     kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "0"}
-    exact = generate(model, PROMPTS, kt=kt, max_tokens=MAX_TOKENS)
-    deferred = generate(model, PROMPTS, kt={**kt, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}, max_tokens=MAX_TOKENS)
+    exact = hybrid(model, kt)
+    deferred = hybrid(model, {**kt, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"})
     expected = plain(model)
     assert token_ids(deferred) == token_ids(expected)
     assert _top1_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND

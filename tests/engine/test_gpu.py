@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engines import PROMPTS, generate
+from support.engines import PROMPTS, generate, generate_logged, long_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,3 +62,16 @@ def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: li
     assert ids(first) == ids(second)
     matching = sum(a == b for a, b in zip(ids(first), ids(plain_graphs), strict=True))
     assert matching >= len(PROMPTS) - 1, (ids(first), ids(plain_graphs))
+
+
+def test_gpu_prefill_matches_the_cpu_path(qwen3) -> None:
+    """KT_GPU_PREFILL_MIN_TOKENS=32, graphs captured up to 16 tokens: the first forward (30
+    short-prompt tokens plus the long prompt's start) and the 180-token prompt compute the
+    CPU experts on the GPU from the streamed copy, decode replays graphs on the CPU path;
+    the tokens equal those with GPU prefill off."""
+    prompts = PROMPTS + [long_prompt(qwen3, 180)]
+    llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
+    on, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm)
+    off = generate(qwen3, prompts, kt={**HYBRID, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
+    assert "kt-hybrid: GPU prefill ran" in log
+    assert ids(on) == ids(off)

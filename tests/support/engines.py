@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from vllm_kt_plugin.support.child import run_child
-from vllm_kt_plugin.support.tiny_models import chat_prompt
+from vllm_kt_plugin.support.tiny_models import chat_prompt, training_text
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
@@ -50,6 +50,19 @@ def generate(
 ) -> list:
     """Greedy completions from a fresh engine; ``kt=None`` runs plain vLLM (no plugin).
     ``llm``: extra keyword arguments for vllm.LLM (e.g. enforce_eager)."""
+    return generate_logged(model, prompts, kt=kt, max_tokens=max_tokens, llm=llm, **env)[0]
+
+
+def generate_logged(
+    model: Path,
+    prompts: list[str],
+    *,
+    kt: dict[str, str] | None,
+    max_tokens: int = 24,
+    llm: dict | None = None,
+    **env: str,
+) -> tuple[list, str]:
+    """``generate`` and the engine's log."""
     llm_args = {"quantization": "kt-hybrid"} if kt is not None else {}
     llm_args.update(llm or {})
     args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
@@ -61,4 +74,12 @@ def generate(
     )
     if run.result is None:
         raise AssertionError(f"engine failed (exit {run.returncode}):\n{run.log[-6000:]}")
-    return list(run.result)
+    return list(run.result), run.log
+
+
+def long_prompt(model: Path, tokens: int) -> str:
+    """The first ``tokens`` tokens of the tiny models' training text, as text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return tokenizer.decode(tokenizer(training_text())["input_ids"][:tokens])

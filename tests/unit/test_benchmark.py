@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from vllm_kt_plugin.bench.engine_runs import SHAPES, model_sizes, plan_runs
 from vllm_kt_plugin.bench.report import best_hybrid
 from vllm_kt_plugin.cli.bench import add_arguments
@@ -52,3 +54,20 @@ def test_committed_h200_result_has_the_reported_fields() -> None:
     assert best is not None and report["layer_benchmark"]["method"] == best["method"]
     assert report["plugin_overhead"] == report["layer_benchmark"]["tokens"]["1"]["plugin_overhead"]
     assert report["overlap_efficiency"] == report["layer_benchmark"]["tokens"]["1"]["overlap_efficiency"]
+
+
+def test_prefill_off_check_and_kt_env() -> None:
+    """--prefill-off-check repeats the first method with GPU prefill off, as a run of its
+    own name; --kt-env reaches every kt-hybrid run and is recorded in its env."""
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4", "--prefill-off-check"]
+    runs = plan_runs(args(*argv, "--kt-env", "KT_GPU_PREFILL_MIN_TOKENS=4096"), "/m", "dummy", sizes)
+    assert [r.name for r in runs] == ["kt-hybrid-amxint4", "kt-hybrid-amxint4-prefill-off"]
+    assert runs[0].env["KT_GPU_PREFILL_MIN_TOKENS"] == "4096"
+    assert runs[1].env["KT_GPU_PREFILL_MIN_TOKENS"] == "0"
+    assert runs[0].max_model_len > 16384  # room for the 16,384-token prompt of prefill_long_tok_s
+
+
+def test_kt_env_must_name_a_kt_variable() -> None:
+    with pytest.raises(SystemExit):
+        args("--kt-env", "VLLM_X=1")

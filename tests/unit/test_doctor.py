@@ -159,6 +159,18 @@ def test_ram_against_the_cpu_experts() -> None:
     assert check_ram("BF16", None, need).level == WARN
 
 
+def test_ram_counts_the_gpu_prefill_copy() -> None:
+    """With GPU prefill on, the CPU experts' BF16 copy (95 of 128 experts here) adds to
+    kt-kernel's AMXINT4 experts: a quarter of BF16 fits where int4 plus the copy does not."""
+    bf16 = estimate_model_memory(QWEN3_30B).cpu_expert_bytes("BF16")
+    assert bf16 is not None
+    room = bf16 // 2
+    assert check_ram("AMXINT4", QWEN3_30B, room).level == OK
+    with_copy = check_ram("AMXINT4", QWEN3_30B, room, gpu_prefill_gpu_experts=33)
+    assert with_copy.level == ERROR and "pinned for GPU prefill" in with_copy.reason, with_copy
+    assert check_ram("AMXINT4", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33).level == OK
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B))

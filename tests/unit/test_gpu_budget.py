@@ -3,6 +3,8 @@ models' parameters, and the budget is the largest count that fits the granted me
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -253,3 +255,33 @@ def test_budget_variable_mistakes(env: dict[str, str], variable: str, value: str
         kt(env)
     message = str(exc.value)
     assert "\n" not in message and f"{variable}={value!r}" in message and "allowed" in message, message
+
+
+# 48 layers of 128 experts of 1/64 GiB (Qwen3-30B-A3B-like proportions).
+LAYERED = ModelMemory(
+    num_experts=128, moe_layers=tuple(range(48)), expert_params=0, expert_bytes=GIB // 64, non_expert_bytes=4 * GIB
+)
+
+
+def test_gpu_prefill_staging_is_reserved() -> None:
+    """With GPU prefill on, two staging buffers of a layer's CPU experts come out of the
+    expert room. 72 - 12 - 4 = 56 GiB; without them
+    74 experts fit (0.75 GiB each across 48 layers); with them n * 0.75 + 2 * (128 - n) / 64
+    <= 56 -> 72."""
+    settings = {"KT_NUM_GPU_EXPERTS": "auto", "KT_KV_CACHE_RESERVE_GB": "12", "KT_GPU_PREFILL_MIN_TOKENS": "2048"}
+    on = resolve_num_gpu_experts(kt(settings), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB)
+    assert on.num_gpu_experts == 72 and "GPU-prefill staging buffers" in on.explanation, on.explanation
+    off = resolve_num_gpu_experts(
+        kt({**settings, "KT_GPU_PREFILL_MIN_TOKENS": "0"}),
+        LAYERED,
+        gpu_memory_utilization=0.9,
+        device_total_bytes=80 * GIB,
+    )
+    assert off.num_gpu_experts == 74 and "staging" not in off.explanation
+    quantized = dataclasses.replace(LAYERED, quantized=True)  # staged only when unquantized
+    assert (
+        resolve_num_gpu_experts(
+            kt(settings), quantized, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB
+        ).num_gpu_experts
+        == 74
+    )

@@ -298,3 +298,54 @@ def test_auto_fits_the_gpu_experts_to_the_granted_memory(vllm_layer_context) -> 
     config = kt_config(kt_num_gpu_experts="auto", kt_gpu_memory_gb=f"{gib:.9f}", kt_kv_cache_reserve_gb="0")
     method = build_moe(config, layer_idx=memory.moe_layers[0]).routed_experts.quant_method
     assert method.placement.num_gpu_experts == 5
+
+
+@pytest.mark.parametrize("num_gpu", [0, 3])
+def test_gpu_prefill_matches_dense_reference(vllm_layer_context, num_gpu: int) -> None:
+    """KT_GPU_PREFILL_MIN_TOKENS: a batch at the threshold computes the CPU experts with the
+    native method from the staged host copy (loaded through vLLM's expert loader); a
+    smaller one goes to the CPU backend. Both match the dense reference."""
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts=str(num_gpu), kt_gpu_prefill_min_tokens="12"))
+    layer = runner.routed_experts
+    method = layer.quant_method
+    experts = random_experts(E, seed=10 + num_gpu)
+    load(runner, experts)
+    assert method.host is not None and method.host.num_experts == E - num_gpu
+    staged_before = method.staging.uses
+    for tokens, staged in ((11, 0), (12, 1), (40, 1)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        ids, weights = random_routing(tokens, E, K, seed=tokens)
+        out = method.apply(layer, x, weights, ids, None, None)
+        assert_close(out, reference_moe(x, ids, weights, experts))
+        assert method.staging.uses == staged_before + staged, tokens
+        staged_before = method.staging.uses
+
+
+def test_gpu_prefill_is_off_by_default(vllm_layer_context) -> None:
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2"))
+    assert runner.routed_experts.quant_method.host is None
+
+
+def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
+    from types import SimpleNamespace
+
+    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers
+
+    def host(value: float, experts: int) -> SimpleNamespace:
+        return SimpleNamespace(tensors={"w13_weight": torch.full((experts, 4, 2), value)})
+
+    first, second, third = host(1.0, 3), host(2.0, 2), host(3.0, 3)
+    staging = StagingBuffers(torch.device("cpu"))
+    for h in (first, second, third):
+        staging.reserve(h)
+    assert staging.numel["w13_weight"] == (3 * 4 * 2, torch.float32) and staging.nbytes == 2 * 3 * 4 * 2 * 4
+    index, views = staging.acquire(first)
+    assert torch.equal(views["w13_weight"], first.tensors["w13_weight"])
+    staging.prefetch(second, busy=index)
+    assert staging.owner == ([first, second] if index == 0 else [second, first])
+    staging.release(index)
+    again, views = staging.acquire(second)  # prefetched: no copy, the other buffer
+    assert again == 1 - index and views["w13_weight"].shape == (2, 4, 2)
+    assert torch.equal(views["w13_weight"], second.tensors["w13_weight"])
+    staging.prefetch(third, busy=again)  # replaces the first layer's buffer
+    assert staging.owner[index] is third and staging.uses == 2

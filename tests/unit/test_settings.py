@@ -4,6 +4,7 @@ allowed; raised while the quant config is built, before any weight exists."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME, VARIABLES
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
-from vllm_kt_plugin.settings.variables import default_cpuinfer_threads
+from vllm_kt_plugin.settings.variables import KTSettings, default_cpuinfer_threads
 
 UNQUANTIZED = CheckpointFormat()
 FP8_BLOCK = CheckpointFormat("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
@@ -248,3 +249,14 @@ def test_every_variable_is_documented_in_the_readme() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for variable in VARIABLES:
         assert f"| `{variable.name}` |" in readme, variable.name
+
+
+@pytest.mark.parametrize("raw", ["-1", "many", "1.5"])
+def test_gpu_prefill_min_tokens_is_validated(raw: str) -> None:
+    with pytest.raises(KTConfigError, match=f"KT_GPU_PREFILL_MIN_TOKENS='{re.escape(raw)}'"):
+        KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": raw}, cores=4, numa_nodes=1)
+
+
+def test_gpu_prefill_is_off_unless_set() -> None:
+    assert KTSettings.from_env({}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
+    assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64

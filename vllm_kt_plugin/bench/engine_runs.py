@@ -5,8 +5,9 @@ Each system runs in a process of its own (``support.child``), so each gets the w
 GPU: plain vLLM with every weight on the GPU, plain vLLM with ``--cpu-offload-gb``
 leaving ``--gpu-weight-gb`` on the GPU, and kt-hybrid keeping as many experts per layer
 on the GPU as fit in the same memory, once per kt-kernel method. Each run reports decode
-tok/s at batch 1 and 16, prefill tok/s (8 prompts x 1024 tokens) and the GPU memory
-vLLM reports for the weights.
+tok/s at batch 1 and 16, prefill tok/s (8 prompts x 1024 tokens, and one prompt of
+16,384 tokens) and the GPU memory vLLM reports for the weights; all with the same engine
+settings.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_mem
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.support.child import run_child
 from vllm_kt_plugin.support.tiny_models import write_numbered_tokenizer
+
+# The long prompt of prefill_long_tok_s: where users wait (retrieval, agents, code).
+LONG_PROMPT_TOKENS = 16384
 
 # Built-in model shapes (Hugging Face config.json values), benchmarked with dummy weights.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -128,13 +132,15 @@ class RunSpec:
     env: dict[str, str] = field(default_factory=dict)
     enforce_eager: bool = False
     decode_tokens: int = 64
-    max_model_len: int = 2048
+    max_model_len: int = LONG_PROMPT_TOKENS + 64
     gpu_memory_utilization: float = 0.9
+    variant: str = ""  # tells apart runs of one system and method (e.g. "prefill-off")
 
     @property
     def name(self) -> str:
         eager = "-eager" if self.enforce_eager else ""
-        return f"{self.system}-{self.method}{eager}".lower()
+        variant = f"-{self.variant}" if self.variant else ""
+        return f"{self.system}-{self.method}{eager}{variant}".lower()
 
 
 # --- one engine, in its own process --------------------------------------------------
@@ -195,12 +201,17 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     decode_bs16, _ = decode_rate(16, seed=2)
     timed(_prompts(8, prefill_len, vocab, seed=3), 1)  # warm-up
     prefill_s, _ = timed(_prompts(8, prefill_len, vocab, seed=4), 1)
+    long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
+    timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
+    long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
     return {
         "startup_s": round(startup_s, 1),
         "decode_bs1_tok_s": round(decode_bs1, 2),
         "decode_bs16_tok_s": round(decode_bs16, 2),
         "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
         "prefill_prompt_tokens": prefill_len,
+        "prefill_long_tok_s": round(long_len / long_s, 1),
+        "prefill_long_prompt_tokens": long_len,
         "greedy_tokens_bs1": tokens_bs1[0],
     }
 
@@ -222,6 +233,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     run = run_child(target, asdict(spec), env={**os.environ, **spec.env}, timeout_s=timeout_s, log_path=log_path)
     log_text = run.log
     result: dict[str, Any] = {"system": spec.system, "method": spec.method, "enforce_eager": spec.enforce_eager}
+    if spec.variant:
+        result["variant"] = spec.variant
     result.update(run.result or {})
     loaded = MODEL_LOAD_RE.findall(log_text)
     result["gpu_weight_gb"] = float(loaded[0]) if loaded else None
@@ -241,7 +254,8 @@ def _summary(result: dict[str, Any]) -> str:
         return "FAILED " + result["error"][-300:]
     return (
         f"decode bs1 {result['decode_bs1_tok_s']} tok/s, bs16 {result['decode_bs16_tok_s']} tok/s, "
-        f"prefill {result['prefill_tok_s']} tok/s, weights {result['gpu_weight_gb']} GiB"
+        f"prefill {result['prefill_tok_s']} tok/s, one long prompt {result['prefill_long_tok_s']} tok/s, "
+        f"weights {result['gpu_weight_gb']} GiB"
     )
 
 
@@ -299,12 +313,15 @@ def plan_runs(args: argparse.Namespace, model: str, load_format: str, sizes: Mod
         if load_format != "dummy" and "BF16" not in methods:
             methods.append("BF16")
         for method in methods:
-            env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu)}
+            env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu), **dict(args.kt_env)}
             if args.cpuinfer:
                 env["KT_CPUINFER"] = str(args.cpuinfer)
             gb = round(sizes.gpu_weight_bytes(n_gpu) / GIB, 2)
             runs.append(RunSpec("kt-hybrid", method, gpu_weight_gb=gb, env=env, **common))
-        if args.eager_check and methods:
-            first = runs[-len(methods)]
-            runs.append(RunSpec(**{**asdict(first), "enforce_eager": True, "decode_tokens": args.decode_tokens}))
+        first = asdict(runs[-len(methods)]) if methods else None
+        if args.eager_check and first:
+            runs.append(RunSpec(**{**first, "enforce_eager": True}))
+        if args.prefill_off_check and first:
+            off = {**first["env"], "KT_GPU_PREFILL_MIN_TOKENS": "0"}
+            runs.append(RunSpec(**{**first, "env": off, "variant": "prefill-off"}))
     return runs

@@ -1,7 +1,13 @@
 """The layer side of ``vllm-kt bench``: one kt-hybrid MoE layer of the model's shape on
 CUDA, timed against bare kt-kernel (same wrapper, same tokens) and the GPU experts alone:
 ``plugin_overhead`` = hybrid / bare kt-kernel - 1, ``overlap_efficiency`` = hybrid /
-max(bare kt-kernel, GPU experts)."""
+max(bare kt-kernel, GPU experts).
+
+For GPU prefill (KT_GPU_PREFILL_MIN_TOKENS) it times, at prefill sizes, the layer's CPU
+path against its GPU path: the copy of its CPU experts into the staging buffer and their
+compute there. With the next layer's copy overlapping this layer's compute, a layer costs
+about max(copy, compute); ``gpu_prefill_break_even_tokens`` is the smallest size timed
+where that beats the CPU path."""
 
 from __future__ import annotations
 
@@ -16,7 +22,9 @@ from vllm_kt_plugin.support.child import run_child
 from vllm_kt_plugin.support.moe_layers import build_moe, vllm_world
 
 
-def layer_benchmark(model_dir: str, env: dict[str, str], tokens: Sequence[int], iters: int) -> dict[str, Any]:
+def layer_benchmark(
+    model_dir: str, env: dict[str, str], tokens: Sequence[int], iters: int, prefill_tokens: Sequence[int] = ()
+) -> dict[str, Any]:
     """Times one kt-hybrid layer of the model's shape on CUDA (runs in the child process)."""
     # Deferred: `vllm-kt bench` imports this module in its parent process, which needs
     # neither torch nor vLLM; only the child process runs this function.
@@ -44,25 +52,78 @@ def layer_benchmark(model_dir: str, env: dict[str, str], tokens: Sequence[int], 
         cpu = method.cpu
         assert cpu is not None, "the layer benchmark needs CPU experts (KT_NUM_GPU_EXPERTS < experts)"
 
-        def time_ms(fn: Any) -> float:
-            for _ in range(10):
+        def time_ms(fn: Any, repeats: int = iters) -> float:
+            for _ in range(min(10, repeats)):
                 fn()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
+            for _ in range(repeats):
                 fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / iters
+            return start.elapsed_time(end) / repeats
 
         gen = torch.Generator(device="cuda").manual_seed(0)
         from vllm.forward_context import set_forward_context
 
+        prefill_from = method.prefill_min_tokens
+        method.prefill_min_tokens = 2**31  # the decode timings take the CPU path
         with set_forward_context(None, vllm_config):
             results["tokens"] = {str(n): _time_layer(method, layer, cpu, n, sizes, gen, time_ms) for n in tokens}
+            method.prefill_min_tokens = prefill_from
+            if prefill_tokens and method.host is not None:
+                prefill = {str(n): _time_prefill(method, layer, n, sizes, gen, time_ms) for n in prefill_tokens}
+                results["gpu_prefill_host_gib_per_layer"] = round(method.host.nbytes / 2**30, 3)
+                results["gpu_prefill"] = prefill
+                results["gpu_prefill_break_even_tokens"] = next(
+                    (int(n) for n, t in prefill.items() if t["pipelined_ms"] < t["cpu_path_ms"]), None
+                )
     results["gpu_experts_per_layer"] = method.placement.num_gpu_experts
     return results
+
+
+def _routing(n: int, sizes: ModelSizes, gen: Any) -> tuple[Any, Any, Any]:
+    import torch
+
+    x = (torch.randn(n, sizes.hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    logits = torch.randn(n, sizes.num_experts, device="cuda", generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(sizes.top_k, dim=-1)
+    return x, weights, ids.to(torch.int32)
+
+
+def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
+    """CPU path vs GPU path (copy, compute) of one layer for ``n`` tokens."""
+    x, weights, ids = _routing(n, sizes, gen)
+    staging, host = method.staging, method.host
+    threshold = method.prefill_min_tokens
+    repeats = 5
+
+    def cpu_path() -> Any:
+        return method.forward_hybrid(x, weights, ids, layer)
+
+    def gpu_path() -> Any:  # the weights already staged, as when the copy was prefetched
+        return method.forward_hybrid(x, weights, ids, layer)
+
+    def copy() -> None:  # on the copy stream; acquire makes the timed stream wait for it
+        staging._copy_in(staging.last, host)
+        index, _ = staging.acquire(host)
+        staging.release(index)
+
+    method.prefill_min_tokens = n + 1
+    cpu_ms = time_ms(cpu_path, repeats)
+    method.prefill_min_tokens = n
+    gpu_ms = time_ms(gpu_path, repeats)
+    copy_ms = time_ms(copy, repeats)
+    method.prefill_min_tokens = threshold
+    return {
+        "cpu_path_ms": round(cpu_ms, 3),
+        "gpu_compute_ms": round(gpu_ms, 3),
+        "copy_ms": round(copy_ms, 3),
+        "copy_gb_s": round(host.nbytes / copy_ms / 1e6, 1),
+        "pipelined_ms": round(max(copy_ms, gpu_ms), 3),
+        "serial_ms": round(copy_ms + gpu_ms, 3),
+    }
 
 
 def _time_layer(method: Any, layer: Any, cpu: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
@@ -70,10 +131,7 @@ def _time_layer(method: Any, layer: Any, cpu: Any, n: int, sizes: ModelSizes, ge
     import torch
 
     stream = torch.cuda.current_stream().cuda_stream
-    x = (torch.randn(n, sizes.hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-    logits = torch.randn(n, sizes.num_experts, device="cuda", generator=gen)
-    weights, ids = torch.softmax(logits, -1).topk(sizes.top_k, dim=-1)
-    ids = ids.to(torch.int32)
+    x, weights, ids = _routing(n, sizes, gen)
 
     def hybrid() -> Any:
         return method.forward_hybrid(x, weights, ids, layer)
@@ -97,10 +155,16 @@ def _time_layer(method: Any, layer: Any, cpu: Any, n: int, sizes: ModelSizes, ge
     return result
 
 
+PREFILL_TOKENS = [256, 512, 1024, 2048, 4096, 8192]
+
+
 def layer_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s: int) -> dict[str, Any]:
     log_path = log_dir / f"layer-{env.get('KT_METHOD', '').lower()}.log"
     print(f"[bench] layer benchmark ({env.get('KT_METHOD')}): starting (log: {log_path})", flush=True)
-    args = {"model_dir": model_dir, "env": env, "tokens": [1, 16], "iters": 200}
+    # GPU prefill on from one token, so the layer builds its host copy; each timing below
+    # picks its path by setting the threshold itself.
+    env = {**env, "KT_GPU_PREFILL_MIN_TOKENS": "1", "KT_CHUNKED_PREFILL_SIZE": str(max(PREFILL_TOKENS))}
+    args = {"model_dir": model_dir, "env": env, "tokens": [1, 16], "iters": 200, "prefill_tokens": PREFILL_TOKENS}
     run = run_child(
         f"{__name__}:layer_benchmark", args, env={**os.environ, **env}, timeout_s=timeout_s, log_path=log_path
     )

@@ -20,13 +20,14 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         print("[bench] matplotlib is not installed: no chart", flush=True)
         return False
     runs = [r for r in report["runs"] if "error" not in r and not r.get("enforce_eager")]
-    labels = [f"{r['system']}\n{r['method']}\n{r['gpu_weight_gb'] or r['configured_gpu_weight_gb']} GiB" for r in runs]
+    labels = [f"{r['system']}\n{r['method']} {r.get('variant', '')}\n{_weights_gb(r)} GiB" for r in runs]
     metrics = [
         ("decode_bs1_tok_s", "decode, batch 1"),
         ("decode_bs16_tok_s", "decode, batch 16"),
-        ("prefill_tok_s", "prefill"),
+        ("prefill_tok_s", "prefill, 8 x 1,024 tokens"),
+        ("prefill_long_tok_s", "prefill, one 16,384-token prompt"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(20, 4.5))
     for ax, (key, title) in zip(axes, metrics, strict=True):
         values = [r.get(key) or 0 for r in runs]  # a missing measurement shows as "n/a"
         bars = ax.bar(range(len(runs)), values, color=[_color(r["system"]) for r in runs])
@@ -38,6 +39,10 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return True
+
+
+def _weights_gb(run: dict[str, Any]) -> float:
+    return run["gpu_weight_gb"] or run["configured_gpu_weight_gb"]
 
 
 def _color(system: str) -> str:

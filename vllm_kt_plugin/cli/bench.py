@@ -58,6 +58,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.load:
         return run_load(args, runs, report, log_dir)
+    if args.layer_only:
+        return run_layer_only(runs, report, workdir, args)
     for spec in runs:
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
@@ -66,6 +68,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         env = {**hybrid.get("env", {}), "KT_CACHE_DIR": str(workdir / "layer-cache")}
         layer = layer_in_child(model, env, log_dir, args.timeout)
         report["layer_benchmark"] = {"method": hybrid["method"], **layer}
+        if "gpu_prefill" in layer:
+            report["gpu_prefill_break_even_tokens"] = layer.get("gpu_prefill_break_even_tokens")
         decode = layer.get("tokens", {}).get("1")
         if decode:
             report["plugin_overhead"] = decode["plugin_overhead"]
@@ -80,6 +84,19 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
             a, b = graphs["greedy_tokens_bs1"], eager[0]["greedy_tokens_bs1"]
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
             report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
+    save(report, args.out)
+    return report
+
+
+def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict:
+    """--layer-only: the first kt-hybrid run's layer, timed alone (no engine starts)."""
+    spec = next((s for s in runs if s.system == "kt-hybrid"), None)
+    if spec is None:
+        raise SystemExit("--layer-only needs a kt-hybrid run (--systems kt-hybrid)")
+    env = {**spec.env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
+    layer = layer_in_child(spec.model, env, workdir / "logs", args.timeout)
+    report["layer_benchmark"] = {"method": spec.method, **layer}
+    report["gpu_prefill_break_even_tokens"] = report["layer_benchmark"].get("gpu_prefill_break_even_tokens")
     save(report, args.out)
     return report
 
@@ -116,6 +133,13 @@ def _load_spec(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected PROMPTS:CONCURRENCY, e.g. 1000:64") from None
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("KT_"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KT_NAME=VALUE, e.g. KT_GPU_PREFILL_MIN_TOKENS=4096")
+    return name, value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="built-in model shape")
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
@@ -125,6 +149,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--cpuinfer", type=int, default=0, help="KT_CPUINFER (default: the plugin's)")
     parser.add_argument("--eager-check", action="store_true", help="also run the first method with --enforce-eager")
+    parser.add_argument(
+        "--prefill-off-check",
+        action="store_true",
+        help="also run the first method with KT_GPU_PREFILL_MIN_TOKENS=0 (GPU prefill off)",
+    )
+    parser.add_argument(
+        "--kt-env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="KT_NAME=VALUE",
+        help="a KT_* setting for every kt-hybrid run (repeatable), recorded under the run's env",
+    )
     parser.add_argument("--workdir", default=str(cache_root() / "bench"))
     parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON path (PNG beside it)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
@@ -137,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offload-load", type=_load_spec, metavar="PROMPTS:CONCURRENCY", help="--load for vllm-offload (it is slow)"
     )
+    parser.add_argument(
+        "--layer-only", action="store_true", help="only the layer benchmark of the first kt-hybrid method (no engines)"
+    )
     parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
     parser.add_argument("--load-output-len", type=int, default=16, help="--load: new tokens per request")
 
@@ -144,4 +184,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report = run_sitting(args)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    if args.layer_only:
+        return 0 if "error" not in report["layer_benchmark"] else 1
     return 0 if report["runs"] and all("error" not in r for r in report["runs"]) else 1

@@ -264,18 +264,30 @@ def check_weights(method: str | None, weight_path: str | None, model_dir: str | 
     return Verdict("weights", ERROR, f"{directory} holds no {missing} files, which KT_METHOD={method} reads")
 
 
-def check_ram(method: str | None, model_config: Mapping[str, Any] | None, available: int | None) -> Verdict:
+def check_ram(
+    method: str | None,
+    model_config: Mapping[str, Any] | None,
+    available: int | None,
+    gpu_prefill_gpu_experts: int | None = None,
+) -> Verdict:
+    """kt-kernel's experts, plus GPU prefill's host copy of the CPU experts when it is on
+    (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off)."""
     if model_config is None:
         return Verdict("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
     if method is None or available is None:
         return Verdict("ram", WARN, "not checked: KT_METHOD or MemAvailable unknown")
     try:
-        need = estimate_model_memory(model_config).cpu_expert_bytes(method)
+        memory = estimate_model_memory(model_config)
     except ModelConfigError as e:
         return Verdict("ram", WARN, f"not checked: {e}")
+    need = memory.cpu_expert_bytes(method)
     if need is None:
         return Verdict("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
-    sizes = f"the experts in {method} take ~{need / GIB:.1f} GB, MemAvailable is {available / GIB:.1f} GB"
+    sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
+    if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts)):
+        need += host
+        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=0: none)"
+    sizes += f", MemAvailable is {available / GIB:.1f} GB"
     if need > available:
         return Verdict("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
     if need > RAM_HEADROOM * available:
@@ -321,8 +333,16 @@ def run_checks(env: Mapping[str, str], system: SystemInfo, model_dir: str | None
         check_numa(settings.threadpool_count, system.numa_nodes, settings.cpuinfer_threads),
         *check_versions(system.versions, settings.backend),
         check_weights(method, weight_path, model_dir),
-        check_ram(method, model_config, system.mem_available_bytes),
+        check_ram(method, model_config, system.mem_available_bytes, _gpu_prefill_gpu_experts(settings)),
     ]
+
+
+def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
+    """GPU experts per layer when GPU prefill is on (None when off); with
+    KT_NUM_GPU_EXPERTS=auto the count is not known here, so the copy is sized for all."""
+    if not settings.gpu_prefill_min_tokens:
+        return None
+    return settings.num_gpu_experts
 
 
 def format_report(verdicts: Sequence[Verdict]) -> str:

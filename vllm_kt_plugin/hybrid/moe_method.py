@@ -29,10 +29,11 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
+from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers, native_is_stageable
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
-from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 
 if TYPE_CHECKING:
@@ -69,6 +70,12 @@ def _register_hybrid_moe_op() -> Any:
     library = Library("vllm_kt", "FRAGMENT")
     direct_register_custom_op("hybrid_moe", _hybrid_moe, fake_impl=_hybrid_moe_fake, target_lib=library)
     return library  # the op lives as long as this object: functools.cache keeps it
+
+
+@functools.cache
+def staging_buffers(device: torch.device) -> StagingBuffers:
+    """The two GPU-prefill buffers of this process, shared by its layers."""
+    return StagingBuffers(device)
 
 
 @functools.cache
@@ -120,6 +127,10 @@ def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     ):
         return ()
     return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def layer_idx_of(prefix: str) -> int:
@@ -193,6 +204,11 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 )
             self.cpu = quant_config.backend(spec, settings)
 
+        self.prefill_min_tokens = self._gpu_prefill_min_tokens(vllm_config)
+        self.host: HostExperts | None = None  # built in create_weights when GPU prefill is on
+        self._make_shadow_method = functools.partial(self._native_for_shadow, quant_config, prefix)
+        self._next_host: HostExperts | None = None
+
         self.metrics = hybrid_metrics(settings.metrics_interval_s)
         self._layer = weakref.ref(layer)
         _LAYERS[prefix] = self
@@ -205,6 +221,36 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             settings.method,
             settings.cpuinfer_threads,
         )
+
+    @staticmethod
+    def _native_for_shadow(quant_config: KTHybridConfig, prefix: str, shadow: RoutedExperts) -> FusedMoEMethodBase:
+        return quant_config.native_moe_method(shadow, prefix)
+
+    def _gpu_prefill_min_tokens(self, vllm_config: VllmConfig) -> int:
+        """KT_GPU_PREFILL_MIN_TOKENS for this layer: 0 where it cannot apply; never at or
+        below a CUDA-graph batch size (captured batches replay the CPU path)."""
+        threshold = self.settings.gpu_prefill_min_tokens
+        if not threshold or not self.placement.num_cpu_experts:
+            return 0
+        if not native_is_stageable(self.native):
+            raise KTConfigError(
+                "KT_GPU_PREFILL_MIN_TOKENS",
+                str(threshold),
+                "GPU prefill stages unquantized experts run by vLLM's Triton (or CPU) MoE kernels only; "
+                f"this checkpoint's GPU method is {type(self.native).__name__} "
+                f"({getattr(self.native, 'unquantized_backend', 'quantized')})",
+                "0 (off) for this checkpoint",
+            )
+        graphs = _cuda_graph_batch_sizes(vllm_config)
+        if graphs and threshold <= graphs[-1]:
+            logger.info_once(
+                "kt-hybrid: KT_GPU_PREFILL_MIN_TOKENS=%d raised to %d: batches up to %d tokens replay CUDA graphs",
+                threshold,
+                graphs[-1] + 1,
+                graphs[-1],
+            )
+            threshold = graphs[-1] + 1
+        return threshold
 
     def _refuse_monolithic(self) -> None:
         # FusedMoEMethodBase.is_monolithic fails while a method has not picked its
@@ -266,18 +312,36 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 params_dtype=params_dtype,
                 **extra_weight_attrs,
             )
+        if self.prefill_min_tokens:
+            self.host = HostExperts(
+                layer,
+                self._make_shadow_method,
+                self.placement.num_cpu_experts,
+                dict(
+                    hidden_size=hidden_size,
+                    intermediate_size_per_partition=intermediate_size_per_partition,
+                    params_dtype=params_dtype,
+                    **extra_weight_attrs,
+                ),
+                pin=self.moe.device.type == "cuda",
+            )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
         for name, param in layer.named_parameters(recurse=False):
             loader = getattr(param, "weight_loader", None)
             if name not in existing and loader is not None:
-                param.weight_loader = self._expert_weight_loader(layer, loader)
+                param.weight_loader = self._expert_weight_loader(layer, loader, name)
 
-    def _expert_weight_loader(self, layer: RoutedExperts, native_loader: Callable[..., Any]) -> Callable[..., Any]:
+    def _expert_weight_loader(
+        self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
+    ) -> Callable[..., Any]:
         """Checkpoint tensors of GPU experts go to the native loader under their GPU slot;
-        those of CPU experts go to the CPU backend and never reach the device."""
+        those of CPU experts go to the CPU backend and never reach the device (with GPU
+        prefill, also to the layer's host copy, in its CPU-expert slot)."""
         slots = self.gpu_slot_of.tolist()
+        cpu_slots = self.placement.cpu_slot_of().tolist()
         cpu = self.cpu
+        host = self.host
 
         def weight_loader(
             param: torch.nn.Parameter,
@@ -296,6 +360,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             if cpu is not None and (slot < 0 or cpu.wants_all_experts):
                 cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
             if slot < 0:
+                if host is not None:
+                    host.load(param_name, loaded_weight, weight_name, shard_id, cpu_slots[expert_id])
                 return True if return_success else None
             with self._native_view(layer):
                 return native_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)
@@ -311,6 +377,25 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self.gpu_slot_of = self.gpu_slot_of.to(self.moe.device)
         if self.cpu is not None:
             self.cpu.finalize_weights(self._deferral())
+        if self.host is not None:
+            self._finalize_host()
+
+    def _finalize_host(self) -> None:
+        assert self.host is not None
+        load_format = str(get_current_vllm_config().load_config.load_format)
+        self.host.finalize(load_format == "dummy", self.placement.cpu_slot_of().to(self.moe.device))
+        self.staging = staging_buffers(self.moe.device)
+        self.staging.reserve(self.host)
+        hosts = [m.host for m in _LAYERS.values() if m.host is not None]
+        logger.info_once(
+            "kt-hybrid: GPU prefill for forwards of >= %d tokens: the CPU experts' copy takes %.2f GiB of "
+            "%s memory (%d layers), %s",
+            self.prefill_min_tokens,
+            sum(h.nbytes for h in hosts) / GIB,
+            "pinned host" if self.moe.device.type == "cuda" else "host",
+            len(hosts),
+            self.staging.describe(),
+        )
 
     def _deferral(self) -> int:
         """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN, where the next decoder layer is a kt-hybrid
@@ -352,6 +437,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
+        if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():
+            return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
         span = self.metrics.start(x) if self.metrics is not None and self.cpu is not None else None
@@ -373,6 +460,34 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         if span is not None:
             self.metrics.finish(self.layer_idx, span)
         return result
+
+    def _forward_on_gpu(
+        self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Every routed expert on the GPU: the GPU experts as always, the CPU experts from
+        the staging buffer, while the next layer's CPU experts are copied in."""
+        assert self.host is not None
+        if RECORDER.enabled:
+            RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
+        out = self._gpu_experts(layer, x, topk_weights, topk_ids)
+        index, staged = self.staging.acquire(self.host)
+        if self._next_host is None:
+            self._next_host = self._following_host()
+        if self._next_host is not self.host:
+            self.staging.prefetch(self._next_host, busy=index)
+        cpu_out = self.host.apply(staged, x, topk_weights, topk_ids)
+        self.staging.release(index)
+        logger.info_once(
+            "kt-hybrid: GPU prefill ran: a forward of >= %d tokens computed the CPU experts on the GPU",
+            self.prefill_min_tokens,
+        )
+        return cpu_out if out is None else out + cpu_out
+
+    def _following_host(self) -> HostExperts:
+        """The host copy of the next layer that has one (wrapping to the first), to prefetch."""
+        hosts = sorted((m.layer_idx, id(m), m.host) for m in _LAYERS.values() if m.host is not None)
+        later = [h for idx, _, h in hosts if idx > self.layer_idx]
+        return later[0] if later else hosts[0][2]
 
     def _gpu_experts(
         self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -48,9 +48,11 @@ def fit_gpu_experts(
     memory: ModelMemory,
     kv_cache_reserve_gb: float | None = None,
     tensor_parallel_size: int = 1,
+    gpu_prefill: bool = False,
 ) -> GPUExpertBudget:
     """The largest per-layer expert count whose weights fit beside the non-expert weights
-    and the KV-cache reserve; pure arithmetic on the figures given."""
+    and the KV-cache reserve (and, with GPU prefill, its two staging buffers of a layer's
+    CPU experts each); pure arithmetic on the figures given."""
     tp = max(1, tensor_parallel_size)
     granted = device_total_bytes * gpu_memory_utilization
     reserve_gb = default_reserve_gb(granted / GIB) if kv_cache_reserve_gb is None else kv_cache_reserve_gb
@@ -59,12 +61,19 @@ def fit_gpu_experts(
     per_layer_expert = memory.num_moe_layers * memory.expert_bytes / tp
     room = granted - reserve - non_expert
     count = 0 if room <= 0 or per_layer_expert <= 0 else min(memory.num_experts, math.floor(room / per_layer_expert))
+
+    def staging(n: int) -> float:
+        return 2 * (memory.num_experts - n) * memory.expert_bytes / tp if gpu_prefill else 0.0
+
+    while count > 0 and count * per_layer_expert + staging(count) > room:
+        count -= 1
     explanation = (
         f"{_gb(device_total_bytes)} GB device x {gpu_memory_utilization:g} = {_gb(granted)} GB granted"
         f" - {reserve_gb:.1f} GB KV-cache reserve - {_gb(non_expert)} GB non-expert weights"
         f" = {_gb(max(room, 0))} GB for experts; one expert in each of {memory.num_moe_layers} MoE layers"
         f" takes {_gb(per_layer_expert)} GB"
         + (f" (per GPU, tp={tp})" if tp > 1 else "")
+        + (f" ({_gb(staging(count))} GB of it for the GPU-prefill staging buffers)" if gpu_prefill else "")
         + f" -> {count} of {memory.num_experts} experts per layer on the GPU"
     )
     if room <= 0:
@@ -115,6 +124,7 @@ def resolve_num_gpu_experts(
     fixed = fixed_num_gpu_experts(settings, memory.num_experts)
     if fixed is not None:
         return fixed
+    gpu_prefill = settings.gpu_prefill_min_tokens > 0 and not memory.quantized  # unquantized are staged
     if settings.gpu_memory_gb is not None:
         device_total_bytes = int(settings.gpu_memory_gb * GIB)
     if device_total_bytes is None:
@@ -130,5 +140,6 @@ def resolve_num_gpu_experts(
         memory=memory,
         kv_cache_reserve_gb=settings.kv_cache_reserve_gb,
         tensor_parallel_size=tensor_parallel_size,
+        gpu_prefill=gpu_prefill,
     )
     return GPUExpertBudget(budget.num_gpu_experts, f"KT_NUM_GPU_EXPERTS=auto: {budget.explanation}")

@@ -48,6 +48,7 @@ class ModelMemory:
     expert_params: int  # weights of one routed expert (gate, up, down)
     expert_bytes: int  # one routed expert on the GPU, in the checkpoint's format
     non_expert_bytes: int  # everything else vLLM puts on the GPU
+    quantized: bool = False  # the checkpoint declares a quantization_config
 
     @property
     def num_moe_layers(self) -> int:
@@ -56,6 +57,13 @@ class ModelMemory:
     def gpu_bytes(self, gpu_experts_per_layer: int) -> int:
         """GPU weight bytes with ``gpu_experts_per_layer`` experts kept in each MoE layer."""
         return self.non_expert_bytes + gpu_experts_per_layer * self.num_moe_layers * self.expert_bytes
+
+    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int) -> int:
+        """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
+        format (only unquantized checkpoints are staged)."""
+        if self.quantized:
+            return 0
+        return (self.num_experts - gpu_experts_per_layer) * self.num_moe_layers * self.expert_bytes
 
     def cpu_expert_bytes(self, kt_method: str) -> int | None:
         """RAM kt-kernel needs for the experts: it loads every expert of each layer (the
@@ -196,4 +204,5 @@ def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
         expert_params=expert_params,
         expert_bytes=int(expert_params * per_linear),
         non_expert_bytes=int(linear_params * per_linear + plain_params * per_plain),
+        quantized=bool(text_config.get("quantization_config")),
     )

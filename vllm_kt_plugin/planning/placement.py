@@ -68,6 +68,13 @@ class ExpertPlacement:
         slots[self.gpu_mask] = torch.arange(self.num_gpu_experts, dtype=torch.int32)
         return slots
 
+    def cpu_slot_of(self) -> torch.Tensor:
+        """int32[num_experts]: each CPU expert's index among the CPU experts, -1 for GPU
+        experts (the order of the GPU-prefill host copy)."""
+        slots = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        slots[~self.gpu_mask] = torch.arange(self.num_cpu_experts, dtype=torch.int32)
+        return slots
+
     def describe(self) -> str:
         gpu = self.gpu_expert_ids()
         first_n = gpu == list(range(len(gpu)))

@@ -186,6 +186,13 @@ VARIABLES: tuple[Variable, ...] = (
         "CPU experts per token whose result is added one layer later (0 on the last MoE layer)",
     ),
     Variable(
+        "KT_GPU_PREFILL_MIN_TOKENS",
+        "0 (off) until the H200 benchmark has measured the break-even (estimated: about 1,500 tokens)",
+        "an integer >= 0 (0 = off)",
+        "forward passes with at least this many tokens compute every expert on the GPU, "
+        "the CPU experts' weights streamed in layer by layer",
+    ),
+    Variable(
         "KT_METRICS_INTERVAL",
         "0 (off)",
         "a number of seconds >= 0",

@@ -135,6 +135,7 @@ class KTSettings:
     expert_profile: str | None = None
     expert_placement_seed: int = 0
     metrics_interval_s: float = 0.0
+    gpu_prefill_min_tokens: int = 0  # 0: off
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
 
     @classmethod
@@ -200,6 +201,7 @@ class KTSettings:
             expert_profile=profile,
             expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
             metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
+            gpu_prefill_min_tokens=_int(env, "KT_GPU_PREFILL_MIN_TOKENS", 0) or 0,
         )
 
     def with_method(self, method: str) -> KTSettings:

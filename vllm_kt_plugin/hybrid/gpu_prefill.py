@@ -1,0 +1,230 @@
+"""Large prefill batches on the GPU (KT_GPU_PREFILL_MIN_TOKENS).
+
+In a batch of thousands of tokens nearly every expert is picked many times, so the CPU's
+compute, not its memory bandwidth, bounds the CPU experts; the GPU has far more. Then the
+layer computes its CPU experts on the GPU too, with a second instance of the native
+method, their weights copied from host memory into one of two GPU buffers shared by all
+layers. While one layer computes from one buffer, the next layer's weights stream into
+the other on a copy stream, so PCIe time hides behind compute wherever compute is longer.
+
+The host copy is the native method's own runtime format: each layer gets a *shadow* of
+its vLLM layer holding only the CPU experts, on the CPU, built, loaded and post-processed
+by vLLM's code (the checkpoint tensors reach it through the same expert weight loader as
+the GPU experts), then pinned. Only unquantized native methods are staged for now: their
+kernels read the weights from the layer at every call, whereas quantized kernels keep
+references to their scales from setup.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kt_plugin.planning.placement import route_to_gpu_slots
+from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+logger = logging.getLogger(LOGGER_NAME)
+
+# vLLM's dummy-weight range (model_loader.weight_utils.initialize_dummy_weights).
+_DUMMY_LOW, _DUMMY_HIGH = -1e-3, 1e-3
+
+
+def pin_in_place(tensor: torch.Tensor) -> None:
+    """Page-lock a tensor's own memory (cudaHostRegister), so copies from it run async.
+    Not ``pin_memory()``: PyTorch's caching host allocator rounds every pinned block up to
+    a power of two, which would turn a layer's 0.6 + 0.3 GB of experts into 1 + 0.5 GB, on
+    every layer. A refusal is fatal: it leaves CUDA's sticky last error set, which the
+    next CUDA call would raise far from here."""
+    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    code = int(getattr(error, "value", error))
+    if code != 0:
+        raise RuntimeError(
+            f"kt-hybrid GPU prefill: CUDA could not page-lock {tensor.numel() * tensor.element_size() / GIB:.2f} GiB "
+            f"for the CPU experts' host copy (cudaHostRegister error {code}); check `ulimit -l` and the RAM check "
+            "of `vllm-kt doctor`, or set KT_GPU_PREFILL_MIN_TOKENS=0"
+        )
+
+
+# Unquantized backends whose kernels take the weights as they are laid out in the layer
+# (plus vLLM's CPU build, for tests); others (AITER, FlashInfer, MoonEP) repack them.
+STAGEABLE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
+
+
+def native_is_stageable(native: FusedMoEMethodBase) -> bool:
+    """Whether the native method's kernel reads its weights from the layer at each call."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    backend = getattr(native, "unquantized_backend", None)
+    return isinstance(native, UnquantizedFusedMoEMethod) and getattr(backend, "name", None) in STAGEABLE_BACKENDS
+
+
+class HostExperts:
+    """One layer's CPU experts in the native runtime format, in (pinned) host memory."""
+
+    def __init__(
+        self,
+        layer: RoutedExperts,
+        make_native: Callable[[RoutedExperts], FusedMoEMethodBase],
+        num_experts: int,
+        create_args: dict[str, Any],
+        pin: bool,
+    ) -> None:
+        """``pin``: page-lock the copy after loading (under CUDA), so copies run async."""
+        # A shallow copy shares the layer's configuration and expert map but owns its
+        # parameters; its moe_config is copied too, since the native method sizes
+        # itself by num_local_experts.
+        shadow = copy.copy(layer)
+        shadow._parameters = {}
+        shadow._buffers = dict(layer._buffers)  # the expert map and other routing state
+        shadow._modules = {}
+        shadow.moe_config = copy.copy(layer.moe_config)
+        shadow.moe_config.num_local_experts = num_experts
+        shadow.local_num_experts = num_experts
+        self.native = make_native(shadow)
+        object.__setattr__(shadow, "quant_method", self.native)  # nn.Module would register it
+        with torch.device("cpu"):
+            self.native.create_weights(shadow, num_experts=num_experts, **create_args)
+        self.pin = pin
+        self.shadow = shadow
+        self.num_experts = num_experts
+        self.nbytes = sum(p.numel() * p.element_size() for p in shadow.parameters(recurse=False))
+        self.loaded = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.expert_map: torch.Tensor | None = None
+        self._pinned: set[int] = set()  # data pointers already page-locked (weights can reload)
+
+    def load(self, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, slot: int) -> None:
+        """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader."""
+        self.shadow.weight_loader(getattr(self.shadow, param_name), weight, weight_name, shard_id, slot)
+        self.loaded += 1
+
+    def finalize(self, dummy: bool, cpu_slot_of: torch.Tensor) -> None:
+        """After loading: the native post-processing, then page-locking (again after a
+        reload, only what is new). ``cpu_slot_of`` (on the device) routes the layer's
+        expert ids: under CUDA as the shadow's expert map, so the kernel skips the picks of
+        GPU experts; vLLM's CPU kernels ignore expert maps and get zero-weight picks."""
+        if not self.loaded and dummy:
+            for param in self.shadow.parameters(recurse=False):
+                param.data.uniform_(_DUMMY_LOW, _DUMMY_HIGH)
+        with torch.device("cpu"):
+            self.native.process_weights_after_loading(self.shadow)
+        self.tensors = {name: param.data for name, param in self.shadow.named_parameters(recurse=False)}
+        for tensor in self.tensors.values():
+            if self.pin and tensor.data_ptr() not in self._pinned:
+                pin_in_place(tensor)
+                self._pinned.add(tensor.data_ptr())
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        self.cpu_slot_of = cpu_slot_of
+        if cpu_slot_of.device.type == "cuda":
+            self.expert_map = cpu_slot_of
+            self.shadow._buffers["_expert_map"] = cpu_slot_of  # read by RoutedExperts.expert_map
+
+    def apply(
+        self, staged: dict[str, torch.Tensor], x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The CPU experts' share of the layer output, computed from the staged weights
+        (swapped into the shadow for the call; its own host parameters come back after)."""
+        if self.expert_map is None:
+            topk_ids, topk_weights = route_to_gpu_slots(topk_ids, topk_weights, self.cpu_slot_of)
+        own = self.shadow._parameters
+        self.shadow._parameters = {name: torch.nn.Parameter(t, requires_grad=False) for name, t in staged.items()}
+        try:
+            return self.native.apply(
+                layer=self.shadow,
+                x=x,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
+                shared_experts=None,
+                shared_experts_input=None,
+            )
+        finally:
+            self.shadow._parameters = own
+
+
+class StagingBuffers:
+    """Two device buffers shared by every layer: one is computed from while the next
+    layer's weights are copied into the other (copy stream, events) under CUDA; on the
+    CPU platform the copy is a plain synchronous one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.numel: dict[str, tuple[int, torch.dtype]] = {}  # per weight: the largest layer's
+        self.slots: list[dict[str, torch.Tensor]] = []
+        self.owner: list[HostExperts | None] = [None, None]
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.uses = 0  # layers computed through the buffers, for tests and the log
+        self.last = 1
+
+    def reserve(self, host: HostExperts) -> None:
+        """Grow the planned buffers to hold ``host`` (before the first use). Flat, so
+        layers of any shape fit."""
+        for name, tensor in host.tensors.items():
+            numel, _ = self.numel.get(name, (0, tensor.dtype))
+            self.numel[name] = (max(numel, tensor.numel()), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * sum(n * d.itemsize for n, d in self.numel.values())
+
+    def _allocate(self) -> None:
+        self.slots = [
+            {name: torch.empty(n, dtype=dtype, device=self.device) for name, (n, dtype) in self.numel.items()}
+            for _ in range(2)
+        ]
+
+    def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
+        return {name: self.slots[index][name][: t.numel()].view(t.shape) for name, t in host.tensors.items()}
+
+    def _copy_in(self, index: int, host: HostExperts) -> None:
+        if not self.slots:
+            self._allocate()
+        self.owner[index] = host
+        views = self._views(index, host)
+        if not self.cuda:
+            for name, tensor in host.tensors.items():
+                views[name].copy_(tensor)
+            return
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.free[index])  # the layer computing from it is done
+            for name, tensor in host.tensors.items():
+                views[name].copy_(tensor, non_blocking=True)
+            self.ready[index].record(self.stream)
+
+    def _slot_of(self, host: HostExperts) -> int | None:
+        return next((i for i, owner in enumerate(self.owner) if owner is host), None)
+
+    def acquire(self, host: HostExperts) -> tuple[int, dict[str, torch.Tensor]]:
+        """``host``'s weights on the device, copied now unless prefetched."""
+        index = self._slot_of(host)
+        if index is None:
+            index = 1 - self.last
+            self._copy_in(index, host)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.ready[index])
+        self.uses += 1
+        self.last = index
+        return index, self._views(index, host)
+
+    def prefetch(self, host: HostExperts, busy: int) -> None:
+        """Start copying ``host`` into the buffer that slot ``busy``'s layer does not use."""
+        if self._slot_of(host) is None:
+            self._copy_in(1 - busy, host)
+
+    def release(self, index: int) -> None:
+        if self.cuda:
+            self.free[index].record(torch.cuda.current_stream())
+
+    def describe(self) -> str:
+        return f"{self.nbytes / GIB:.2f} GiB of GPU staging buffers (2 x the largest layer's CPU experts)"
