@@ -44,7 +44,8 @@ fi
 
 if wants bench; then
   stage "bench"
-  "${BENCH[@]}" --methods "${METHODS:-AMXINT4,AMXINT8}" --prefill-off-check \
+  SKIP_LAYER=(); wants layer && SKIP_LAYER=(--skip-layer)  # timed alone above
+  "${BENCH[@]}" --methods "${METHODS:-AMXINT4,AMXINT8}" --prefill-off-check "${SKIP_LAYER[@]}" \
       --out "$BENCH_OUT/h200_qwen3_30b_a3b.json" > "$BENCH_OUT/bench.log" 2>&1
   stage "bench exit $?"
 fi

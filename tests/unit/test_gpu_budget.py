@@ -9,7 +9,12 @@ import pytest
 import torch
 import transformers
 
-from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts, resolve_num_gpu_experts
+from vllm_kt_plugin.planning.gpu_budget import (
+    NO_CUDA_DEVICE,
+    auto_gpu_prefill_refusal,
+    fit_gpu_experts,
+    resolve_num_gpu_experts,
+)
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory, linear_bytes_per_weight
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
@@ -285,3 +290,37 @@ def test_gpu_prefill_staging_is_reserved() -> None:
         ).num_gpu_experts
         == 74
     )
+
+
+def test_auto_gpu_prefill_reserves_staging_only_where_it_turns_on() -> None:
+    """auto reserves the staging buffers like a set threshold where they are a small share
+    of the GPU (2 x 2 GiB of 72 granted), and nothing where they would crowd the experts out
+    (a 16 GiB GPU)."""
+    auto = {"KT_NUM_GPU_EXPERTS": "auto", "KT_KV_CACHE_RESERVE_GB": "12"}
+    big = resolve_num_gpu_experts(kt(auto), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB)
+    assert big.num_gpu_experts == 72 and "staging" in big.explanation
+    small = resolve_num_gpu_experts(
+        kt({**auto, "KT_KV_CACHE_RESERVE_GB": "2"}), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=16 * GIB
+    )
+    assert "staging" not in small.explanation and small.num_gpu_experts == 11  # (14.4 - 2 - 4) / 0.75
+
+
+def test_auto_gpu_prefill_refusals() -> None:
+    """Why auto leaves GPU prefill off, per model and host; None where it turns on."""
+
+    def refusal(memory: ModelMemory = LAYERED, device: int | None = 80 * GIB, ram: int = 512 * GIB) -> str | None:
+        return auto_gpu_prefill_refusal(
+            memory,
+            device_total_bytes=device,
+            gpu_memory_utilization=0.9,
+            num_gpu_experts=32,
+            ram_available_bytes=ram,
+            kt_method="AMXINT4",
+        )
+
+    assert refusal() is None
+    assert refusal(device=None) == NO_CUDA_DEVICE
+    assert "quantized" in (refusal(dataclasses.replace(LAYERED, quantized=True)) or "")
+    assert "staging buffers" in (refusal(device=16 * GIB) or "")
+    # host copy: 96 x 48 / 64 = 72 GiB, beside kt-kernel's experts: more than 90 % of 64 GiB
+    assert "RAM" in (refusal(ram=64 * GIB) or "")

@@ -349,3 +349,25 @@ def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
     assert torch.equal(views["w13_weight"], second.tensors["w13_weight"])
     staging.prefetch(third, busy=again)  # replaces the first layer's buffer
     assert staging.owner[index] is third and staging.uses == 2
+
+
+def test_pinned_copies_own_whole_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU prefill's host copy: one registration per layer, of whole pages inside the
+    block's own allocation (CUDA refuses a page registered twice), holding equal copies."""
+    import mmap
+
+    from vllm_kt_plugin.hybrid import gpu_prefill
+
+    registered: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        gpu_prefill, "pin_in_place", lambda t: registered.append((t.data_ptr(), t.numel() * t.element_size()))
+    )
+    tensors = {"w13_weight": torch.randn(3, 10, 7).bfloat16(), "w2_weight": torch.randn(3, 7, 5)}
+    copies = gpu_prefill.pinned_copies(tensors)
+    [(start, nbytes)] = registered
+    assert start % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0
+    for name, tensor in tensors.items():
+        assert torch.equal(copies[name], tensor) and copies[name].dtype == tensor.dtype
+        assert start <= copies[name].data_ptr() < start + nbytes
+    storage = copies["w2_weight"].untyped_storage()
+    assert storage.data_ptr() <= start and start + nbytes <= storage.data_ptr() + storage.nbytes()

@@ -257,6 +257,12 @@ def test_gpu_prefill_min_tokens_is_validated(raw: str) -> None:
         KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": raw}, cores=4, numa_nodes=1)
 
 
-def test_gpu_prefill_is_off_unless_set() -> None:
-    assert KTSettings.from_env({}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
+def test_gpu_prefill_is_auto_unless_set() -> None:
+    """None is auto (decided per model and host by the planning layer)."""
+    assert KTSettings.from_env({}, cores=4, numa_nodes=1).gpu_prefill_min_tokens is None
+    assert (
+        KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": " Auto"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens
+        is None
+    )
+    assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64

@@ -64,7 +64,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
     hybrid = best_hybrid(report["runs"])
-    if hybrid is not None:
+    if hybrid is not None and not args.skip_layer:
         env = {**hybrid.get("env", {}), "KT_CACHE_DIR": str(workdir / "layer-cache")}
         layer = layer_in_child(model, env, log_dir, args.timeout)
         report["layer_benchmark"] = {"method": hybrid["method"], **layer}
@@ -176,6 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--layer-only", action="store_true", help="only the layer benchmark of the first kt-hybrid method (no engines)"
+    )
+    parser.add_argument(
+        "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"
     )
     parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
     parser.add_argument("--load-output-len", type=int, default=16, help="--load: new tokens per request")

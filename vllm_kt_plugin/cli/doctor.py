@@ -286,7 +286,7 @@ def check_ram(
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
     if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts)):
         need += host
-        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=0: none)"
+        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
     sizes += f", MemAvailable is {available / GIB:.1f} GB"
     if need > available:
         return Verdict("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
@@ -338,9 +338,10 @@ def run_checks(env: Mapping[str, str], system: SystemInfo, model_dir: str | None
 
 
 def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
-    """GPU experts per layer when GPU prefill is on (None when off); with
-    KT_NUM_GPU_EXPERTS=auto the count is not known here, so the copy is sized for all."""
-    if not settings.gpu_prefill_min_tokens:
+    """GPU experts per layer when GPU prefill is forced on (None when off, or auto, which
+    turns itself off where its copy would not fit); with KT_NUM_GPU_EXPERTS=auto the count
+    is not known here, so the copy is sized for all."""
+    if not settings.gpu_prefill_min_tokens:  # 0 (off) or None (auto)
         return None
     return settings.num_gpu_experts
 

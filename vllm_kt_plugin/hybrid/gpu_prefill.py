@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import mmap
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,27 @@ def pin_in_place(tensor: torch.Tensor) -> None:
             f"for the CPU experts' host copy (cudaHostRegister error {code}); check `ulimit -l` and the RAM check "
             "of `vllm-kt doctor`, or set KT_GPU_PREFILL_MIN_TOKENS=0"
         )
+
+
+def pinned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` in one page-locked block of whole pages that no other
+    allocation shares (CUDA refuses to register a page twice; small tensors from the heap
+    share pages), registered once."""
+    sizes = {name: -(-t.numel() * t.element_size() // _PAGE) * _PAGE for name, t in tensors.items()}
+    raw = torch.empty(sum(sizes.values()) + 2 * _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    block = raw[start : start + sum(sizes.values())]
+    pin_in_place(block)
+    copies, offset = {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        copies[name] = block[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copies[name].copy_(tensor)
+        offset += sizes[name]
+    return copies
+
+
+_PAGE = mmap.PAGESIZE
 
 
 # Unquantized backends whose kernels take the weights as they are laid out in the layer
@@ -116,11 +138,15 @@ class HostExperts:
                 param.data.uniform_(_DUMMY_LOW, _DUMMY_HIGH)
         with torch.device("cpu"):
             self.native.process_weights_after_loading(self.shadow)
-        self.tensors = {name: param.data for name, param in self.shadow.named_parameters(recurse=False)}
-        for tensor in self.tensors.values():
-            if self.pin and tensor.data_ptr() not in self._pinned:
-                pin_in_place(tensor)
-                self._pinned.add(tensor.data_ptr())
+        params = dict(self.shadow.named_parameters(recurse=False))
+        self.tensors = {name: param.data.contiguous() for name, param in params.items()}
+        if self.pin and any(t.data_ptr() not in self._pinned for t in self.tensors.values()):
+            # Into one page-locked block; the shadow's parameters then live there (a
+            # weight reload writes into it and finds its tensors already pinned).
+            self.tensors = pinned_copies(self.tensors)
+            for name, tensor in self.tensors.items():
+                params[name].data = tensor
+            self._pinned = {t.data_ptr() for t in self.tensors.values()}
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.cpu_slot_of = cpu_slot_of
         if cpu_slot_of.device.type == "cuda":

@@ -32,8 +32,9 @@ from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
 from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers, native_is_stageable
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
+from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
-from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import GIB, GPU_PREFILL_AUTO_MIN_TOKENS, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 
 if TYPE_CHECKING:
@@ -129,6 +130,35 @@ def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
+@contextlib.contextmanager
+def _expert_map(layer: RoutedExperts, expert_map: torch.Tensor) -> Iterator[None]:
+    """``layer.expert_map`` (read by vLLM's kernels at each call) is ``expert_map`` for
+    the duration."""
+    own = layer._buffers.get("_expert_map")
+    layer._buffers["_expert_map"] = expert_map
+    try:
+        yield
+    finally:
+        layer._buffers["_expert_map"] = own
+
+
+def _auto_gpu_prefill_min_tokens(native: FusedMoEMethodBase, quant_config: KTHybridConfig) -> int:
+    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even where the GPU experts' method
+    can be staged and the model and host leave room (planning decides); else 0, saying
+    why once."""
+    refusal = quant_config.layer_plan.gpu_prefill_refusal
+    if refusal is None and not native_is_stageable(native):
+        refusal = (
+            f"it stages unquantized experts run by vLLM's Triton kernels, the GPU experts run "
+            f"{type(native).__name__} ({getattr(native, 'unquantized_backend', 'quantized')})"
+        )
+    if refusal is not None:
+        if refusal != NO_CUDA_DEVICE:
+            logger.info_once("kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: %s", refusal)
+        return 0
+    return GPU_PREFILL_AUTO_MIN_TOKENS
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -204,7 +234,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 )
             self.cpu = quant_config.backend(spec, settings)
 
-        self.prefill_min_tokens = self._gpu_prefill_min_tokens(vllm_config)
+        self.prefill_min_tokens = self._gpu_prefill_min_tokens(vllm_config, quant_config)
         self.host: HostExperts | None = None  # built in create_weights when GPU prefill is on
         self._make_shadow_method = functools.partial(self._native_for_shadow, quant_config, prefix)
         self._next_host: HostExperts | None = None
@@ -226,13 +256,17 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     def _native_for_shadow(quant_config: KTHybridConfig, prefix: str, shadow: RoutedExperts) -> FusedMoEMethodBase:
         return quant_config.native_moe_method(shadow, prefix)
 
-    def _gpu_prefill_min_tokens(self, vllm_config: VllmConfig) -> int:
+    def _gpu_prefill_min_tokens(self, vllm_config: VllmConfig, quant_config: KTHybridConfig) -> int:
         """KT_GPU_PREFILL_MIN_TOKENS for this layer: 0 where it cannot apply; never at or
         below a CUDA-graph batch size (captured batches replay the CPU path)."""
         threshold = self.settings.gpu_prefill_min_tokens
-        if not threshold or not self.placement.num_cpu_experts:
+        if threshold == 0 or not self.placement.num_cpu_experts:
             return 0
-        if not native_is_stageable(self.native):
+        if threshold is None:
+            threshold = _auto_gpu_prefill_min_tokens(self.native, quant_config)
+            if not threshold:
+                return 0
+        elif not native_is_stageable(self.native):
             raise KTConfigError(
                 "KT_GPU_PREFILL_MIN_TOKENS",
                 str(threshold),
@@ -469,7 +503,14 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         assert self.host is not None
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
-        out = self._gpu_experts(layer, x, topk_weights, topk_ids)
+        if self.staging.cuda and self.placement.num_gpu_experts:
+            # vLLM's Triton kernels drop the picks an expert map sends to -1 before any
+            # GEMM: thousands of CPU-expert picks then cost nothing here, where zero
+            # weights would pile them all onto GPU slot 0.
+            with _expert_map(layer, self.gpu_slot_of):
+                out = self._native_apply(layer, x, topk_weights, topk_ids)
+        else:
+            out = self._gpu_experts(layer, x, topk_weights, topk_ids)
         index, staged = self.staging.acquire(self.host)
         if self._next_host is None:
             self._next_host = self._following_host()
@@ -495,11 +536,16 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         if not self.placement.num_gpu_experts:
             return None
         slot_ids, slot_weights = route_to_gpu_slots(topk_ids, topk_weights, self.gpu_slot_of)
+        return self._native_apply(layer, x, slot_weights, slot_ids)
+
+    def _native_apply(
+        self, layer: RoutedExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         out = self.native.apply(
             layer=layer,
             x=x,
-            topk_weights=slot_weights,
-            topk_ids=slot_ids,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
             shared_experts=None,
             shared_experts_input=None,
         )

@@ -63,7 +63,7 @@ def fit_gpu_experts(
     count = 0 if room <= 0 or per_layer_expert <= 0 else min(memory.num_experts, math.floor(room / per_layer_expert))
 
     def staging(n: int) -> float:
-        return 2 * (memory.num_experts - n) * memory.expert_bytes / tp if gpu_prefill else 0.0
+        return staging_bytes(memory, n, tp) if gpu_prefill else 0.0
 
     while count > 0 and count * per_layer_expert + staging(count) > room:
         count -= 1
@@ -79,6 +79,62 @@ def fit_gpu_experts(
     if room <= 0:
         explanation += " (the non-expert weights and the reserve alone exceed the granted memory)"
     return GPUExpertBudget(count, explanation)
+
+
+# KT_GPU_PREFILL_MIN_TOKENS=auto stays off where its two staging buffers (each a whole
+# layer's CPU experts, all experts at worst) would take more than this share of the
+# granted GPU memory: the GPU experts they displace would slow every decode step.
+AUTO_GPU_PREFILL_MAX_STAGING_SHARE = 0.125
+# ... or where its host copy and kt-kernel's experts would take more than this share of
+# the available RAM.
+AUTO_GPU_PREFILL_MAX_RAM_SHARE = 0.9
+NO_CUDA_DEVICE = "no CUDA device"  # the refusal on vLLM's CPU build, where auto is silent
+
+
+def staging_bytes(memory: ModelMemory, num_gpu_experts: int, tensor_parallel_size: int = 1) -> float:
+    """GPU prefill's two device buffers, each one layer's CPU experts."""
+    return 2 * (memory.num_experts - num_gpu_experts) * memory.expert_bytes / max(1, tensor_parallel_size)
+
+
+def auto_gpu_prefill_refusal(
+    memory: ModelMemory,
+    *,
+    device_total_bytes: int | None,
+    gpu_memory_utilization: float,
+    num_gpu_experts: int,
+    ram_available_bytes: int,
+    kt_method: str,
+    tensor_parallel_size: int = 1,
+) -> str | None:
+    """Why KT_GPU_PREFILL_MIN_TOKENS=auto leaves GPU prefill off for this model and
+    host, or None where it turns it on."""
+    if device_total_bytes is None:
+        return NO_CUDA_DEVICE
+    if memory.quantized:
+        return "the checkpoint is quantized (only unquantized experts are staged)"
+    granted = device_total_bytes * gpu_memory_utilization
+    staging = staging_bytes(memory, 0, tensor_parallel_size)
+    if staging > AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted:
+        return (
+            f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
+            f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
+        )
+    ram = memory.gpu_prefill_host_bytes(num_gpu_experts) + (memory.cpu_expert_bytes(kt_method) or 0)
+    if ram > AUTO_GPU_PREFILL_MAX_RAM_SHARE * ram_available_bytes:
+        return (
+            f"its host copy plus kt-kernel's {kt_method} experts need {_gb(ram)} GB, more than "
+            f"{AUTO_GPU_PREFILL_MAX_RAM_SHARE:.0%} of the {_gb(ram_available_bytes)} GB of RAM available"
+        )
+    return None
+
+
+def wants_staging_reserve(settings: KTSettings, memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
+    """Whether auto's GPU budget keeps room for GPU prefill's staging buffers."""
+    if settings.gpu_prefill_min_tokens == 0 or memory.quantized:
+        return False
+    if settings.gpu_prefill_min_tokens is None:  # auto: only where it would turn it on
+        return staging_bytes(memory, 0, tp) <= AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted_bytes
+    return True
 
 
 def measured_device_total_bytes() -> int | None:
@@ -124,7 +180,6 @@ def resolve_num_gpu_experts(
     fixed = fixed_num_gpu_experts(settings, memory.num_experts)
     if fixed is not None:
         return fixed
-    gpu_prefill = settings.gpu_prefill_min_tokens > 0 and not memory.quantized  # unquantized are staged
     if settings.gpu_memory_gb is not None:
         device_total_bytes = int(settings.gpu_memory_gb * GIB)
     if device_total_bytes is None:
@@ -140,6 +195,8 @@ def resolve_num_gpu_experts(
         memory=memory,
         kv_cache_reserve_gb=settings.kv_cache_reserve_gb,
         tensor_parallel_size=tensor_parallel_size,
-        gpu_prefill=gpu_prefill,
+        gpu_prefill=wants_staging_reserve(
+            settings, memory, device_total_bytes * gpu_memory_utilization, tensor_parallel_size
+        ),
     )
     return GPUExpertBudget(budget.num_gpu_experts, f"KT_NUM_GPU_EXPERTS=auto: {budget.explanation}")

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_kt_plugin.planning.gpu_budget import (
+    auto_gpu_prefill_refusal,
     fixed_num_gpu_experts,
     measured_device_total_bytes,
     resolve_num_gpu_experts,
@@ -67,6 +68,8 @@ class LayerPlan:
         self.settings = settings
         self.placements: dict[int, ExpertPlacement] | None = None
         self.num_gpu_experts = 0
+        # Why KT_GPU_PREFILL_MIN_TOKENS=auto stays off (None: it may turn on), once planned.
+        self.gpu_prefill_refusal: str | None = "not planned yet"
 
     @functools.cached_property
     def profile(self) -> RoutingProfile | None:
@@ -102,14 +105,34 @@ class LayerPlan:
             fixed = fixed_num_gpu_experts(self.settings, num_experts)
             assert fixed is not None
             self.num_gpu_experts = fixed.num_gpu_experts
+            self.gpu_prefill_refusal = "the model's sizes are unknown"
             return {}
+        device_total_bytes = measured_device_total_bytes()
+        utilization = vllm_config.cache_config.gpu_memory_utilization
+        tp = vllm_config.parallel_config.tensor_parallel_size
         budget = resolve_num_gpu_experts(
             self.settings,
             memory,
-            gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
-            device_total_bytes=measured_device_total_bytes(),
-            tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+            gpu_memory_utilization=utilization,
+            device_total_bytes=device_total_bytes,
+            tensor_parallel_size=tp,
         )
         self.num_gpu_experts = budget.num_gpu_experts
+        self.gpu_prefill_refusal = auto_gpu_prefill_refusal(
+            memory,
+            device_total_bytes=device_total_bytes,
+            gpu_memory_utilization=utilization,
+            num_gpu_experts=self.num_gpu_experts,
+            ram_available_bytes=_ram_available_bytes(),
+            kt_method=self.settings.method or "",
+            tensor_parallel_size=tp,
+        )
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.settings.expert_placement)
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)
+
+
+def _ram_available_bytes() -> int:
+    """Available RAM now (when the first layer is built, before any expert is loaded)."""
+    import psutil  # deferred: a vLLM dependency, needed only in the worker
+
+    return int(psutil.virtual_memory().available)

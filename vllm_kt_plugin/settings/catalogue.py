@@ -24,6 +24,10 @@ DEFAULT_BACKEND = "kt_kernel"
 # Python and CUDA-callback threads oversubscribe a fully used CPU (13-26x slower measured).
 RESERVED_CORES = 2
 
+# KT_GPU_PREFILL_MIN_TOKENS=auto under CUDA: the token count from which one layer's GPU
+# prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host.
+GPU_PREFILL_AUTO_MIN_TOKENS = 2048
+
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
 # this copy equal to it, so KT_METHOD's help can list them without importing kt-kernel).
 KT_METHODS = (
@@ -187,8 +191,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
-        "0 (off) until the H200 benchmark has measured the break-even (estimated: about 1,500 tokens)",
-        "an integer >= 0 (0 = off)",
+        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, README) where the "
+        "GPU experts run unquantized on vLLM's Triton kernels and the host copy fits in RAM; else off",
+        "auto, or an integer >= 0 (0 = off)",
         "forward passes with at least this many tokens compute every expert on the GPU, "
         "the CPU experts' weights streamed in layer by layer",
     ),

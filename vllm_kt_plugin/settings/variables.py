@@ -91,6 +91,13 @@ def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     return value
 
 
+def _int_or_auto(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    """An integer, or None for ``auto`` (also when unset)."""
+    if env.get(name, "").strip().lower() == "auto":
+        return None
+    return _int(env, name, minimum)
+
+
 def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float | None = None) -> float | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -135,7 +142,7 @@ class KTSettings:
     expert_profile: str | None = None
     expert_placement_seed: int = 0
     metrics_interval_s: float = 0.0
-    gpu_prefill_min_tokens: int = 0  # 0: off
+    gpu_prefill_min_tokens: int | None = None  # None: auto (see the catalogue); 0: off
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
 
     @classmethod
@@ -201,7 +208,7 @@ class KTSettings:
             expert_profile=profile,
             expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
             metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
-            gpu_prefill_min_tokens=_int(env, "KT_GPU_PREFILL_MIN_TOKENS", 0) or 0,
+            gpu_prefill_min_tokens=_int_or_auto(env, "KT_GPU_PREFILL_MIN_TOKENS", 0),
         )
 
     def with_method(self, method: str) -> KTSettings:
