@@ -64,14 +64,17 @@ def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: li
     assert matching >= len(PROMPTS) - 1, (ids(first), ids(plain_graphs))
 
 
-def test_gpu_prefill_matches_the_cpu_path(qwen3) -> None:
+@pytest.mark.parametrize(("method", "source"), [("BF16", "no host copy"), ("AMXINT8", "copy takes")])
+def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: str) -> None:
     """KT_GPU_PREFILL_MIN_TOKENS=32, graphs captured up to 16 tokens: the first forward (30
     short-prompt tokens plus the long prompt's start) and the 180-token prompt compute the
-    CPU experts on the GPU from the streamed copy, decode replays graphs on the CPU path;
-    the tokens equal those with GPU prefill off."""
+    CPU experts on the GPU from the streamed weights — written by kt-kernel (BF16) or from
+    the pinned host copy (AMXINT8) — decode replays graphs on the CPU path; the tokens
+    equal those with GPU prefill off."""
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
-    on, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm)
-    off = generate(qwen3, prompts, kt={**HYBRID, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
-    assert "kt-hybrid: GPU prefill ran" in log
+    kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": method, "KT_CACHE_DIR": str(tmp_path)}
+    on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm)
+    off = generate(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
+    assert "kt-hybrid: GPU prefill ran" in log and source in log
     assert ids(on) == ids(off)

@@ -17,11 +17,11 @@ def _has_kernel(method: str) -> bool:
 def requires_kernel(method: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         not _has_kernel(method),
-        reason=f"this CPU's kt-kernel build ({_variant()}) has no {method} kernel (needs AVX-512 or AMX)",
+        reason=f"this CPU's kt-kernel build ({kt_variant()}) has no {method} kernel (needs AVX-512 or AMX)",
     )
 
 
-def _variant() -> str:
+def kt_variant() -> str:
     import kt_kernel
 
     return str(kt_kernel.__cpu_variant__)

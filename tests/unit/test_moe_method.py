@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.hardware import requires_kernel
+from support.hardware import kt_variant, requires_kernel
 
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
@@ -310,7 +310,7 @@ def test_gpu_prefill_matches_dense_reference(vllm_layer_context, num_gpu: int) -
     method = layer.quant_method
     experts = random_experts(E, seed=10 + num_gpu)
     load(runner, experts)
-    assert method.host is not None and method.host.num_experts == E - num_gpu
+    assert method.host is not None and len(method.host.cpu_expert_ids) == E - num_gpu and method.host.copies
     staged_before = method.staging.uses
     for tokens, staged in ((11, 0), (12, 1), (40, 1)):
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
@@ -329,10 +329,11 @@ def test_gpu_prefill_is_off_by_default(vllm_layer_context) -> None:
 def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers
+    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers, layout_of
 
     def host(value: float, experts: int) -> SimpleNamespace:
-        return SimpleNamespace(tensors={"w13_weight": torch.full((experts, 4, 2), value)})
+        tensors = {"w13_weight": torch.full((experts, 4, 2), value)}
+        return SimpleNamespace(tensors=tensors, layout=layout_of(tensors), copies=True)
 
     first, second, third = host(1.0, 3), host(2.0, 2), host(3.0, 3)
     staging = StagingBuffers(torch.device("cpu"))
@@ -371,3 +372,57 @@ def test_pinned_copies_own_whole_pages(monkeypatch: pytest.MonkeyPatch) -> None:
         assert start <= copies[name].data_ptr() < start + nbytes
     storage = copies["w2_weight"].untyped_storage()
     assert storage.data_ptr() <= start and start + nbytes <= storage.data_ptr() + storage.nbytes()
+
+
+def test_staging_writes_layers_without_a_host_copy() -> None:
+    """A layer whose CPU backend writes its experts (no host copy) is written into a host
+    buffer, then copied like a host copy; prefetching it writes it then."""
+    from types import SimpleNamespace
+
+    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers
+
+    written: list[float] = []
+
+    def host(value: float) -> SimpleNamespace:
+        layout = {
+            "w13_weight": (torch.Size([2, 4, 2]), torch.float32),
+            "w2_weight": (torch.Size([2, 2, 2]), torch.float32),
+        }
+
+        def write(views: dict) -> None:
+            written.append(value)
+            for view in views.values():
+                view.fill_(value)
+
+        return SimpleNamespace(tensors={}, layout=layout, copies=False, write=write)
+
+    first, second = host(1.0), host(2.0)
+    staging = StagingBuffers(torch.device("cpu"))
+    staging.reserve(first)
+    index, views = staging.acquire(first)
+    assert written == [1.0] and all(bool((v == 1.0).all()) for v in views.values())
+    staging.prefetch(second, busy=index)
+    assert written == [1.0, 2.0]
+    _, views = staging.acquire(second)
+    assert written == [1.0, 2.0] and all(bool((v == 2.0).all()) for v in views.values())
+
+
+def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp_path: Path) -> None:
+    """kt-kernel's BF16 experts written back (GPU prefill without a host copy) are the
+    checkpoint's: w13 = gate then up, w2 = down, in the order asked."""
+    idx = fresh_layer_index()
+    experts = random_experts(E, seed=41)
+    write_kt_checkpoint(tmp_path, {idx: experts})
+    runner = build_moe(kt_config(kt_weight_path=str(tmp_path), kt_num_gpu_experts="2", kt_cpuinfer="1"), layer_idx=idx)
+    load(runner, experts)
+    cpu = runner.routed_experts.quant_method.cpu
+    if not cpu.writes_gpu_layout:
+        pytest.skip(f"this CPU's kt-kernel build ({kt_variant()}) cannot write BF16 experts back")
+    inter, hidden = experts[0]["gate_proj"].shape
+    ids = [5, 2, 7]
+    w13 = torch.zeros(len(ids), 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.zeros(len(ids), hidden, inter, dtype=torch.bfloat16)
+    cpu.write_gpu_layout(ids, w13, w2)
+    for row, expert in enumerate(ids):
+        assert torch.equal(w13[row], torch.cat([experts[expert]["gate_proj"], experts[expert]["up_proj"]]))
+        assert torch.equal(w2[row], experts[expert]["down_proj"])

@@ -74,7 +74,8 @@ def layer_benchmark(
             method.prefill_min_tokens = prefill_from
             if prefill_tokens and method.host is not None:
                 prefill = {str(n): _time_prefill(method, layer, n, sizes, gen, time_ms) for n in prefill_tokens}
-                results["gpu_prefill_host_gib_per_layer"] = round(method.host.nbytes / 2**30, 3)
+                results["gpu_prefill_staged_gib_per_layer"] = round(method.host.staged_nbytes / 2**30, 3)
+                results["gpu_prefill_written_by_cpu_backend"] = not method.host.copies  # copy_ms includes it
                 results["gpu_prefill"] = prefill
                 results["gpu_prefill_break_even_tokens"] = next(
                     (int(n) for n, t in prefill.items() if t["pipelined_ms"] < t["cpu_path_ms"]), None
@@ -120,7 +121,7 @@ def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, 
         "cpu_path_ms": round(cpu_ms, 3),
         "gpu_compute_ms": round(gpu_ms, 3),
         "copy_ms": round(copy_ms, 3),
-        "copy_gb_s": round(host.nbytes / copy_ms / 1e6, 1),
+        "copy_gb_s": round(host.staged_nbytes / copy_ms / 1e6, 1),
         "pipelined_ms": round(max(copy_ms, gpu_ms), 3),
         "serial_ms": round(copy_ms + gpu_ms, 3),
     }

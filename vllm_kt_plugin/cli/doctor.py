@@ -284,7 +284,7 @@ def check_ram(
     if need is None:
         return Verdict("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
-    if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts)):
+    if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts, method)):
         need += host
         sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
     sizes += f", MemAvailable is {available / GIB:.1f} GB"

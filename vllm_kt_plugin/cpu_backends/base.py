@@ -101,6 +101,17 @@ class CPUExperts(ABC):
         ignore it (the default)."""
         return
 
+    @property
+    def writes_gpu_layout(self) -> bool:
+        """Whether ``write_gpu_layout`` can hand out this backend's experts (GPU prefill
+        then keeps no host copy of its own)."""
+        return False
+
+    def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Write experts ``expert_ids`` (global ids), in that order, into the rows of host
+        tensors ``w13`` [n, 2I, H] (gate, then up) and ``w2`` [n, H, I]; blocks until done."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write its experts in the GPU layout")
+
     @abstractmethod
     def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         """All checkpoint tensors are in; make the experts ready to run. A non-zero

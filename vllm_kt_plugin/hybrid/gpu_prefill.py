@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import mmap
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    from vllm_kt_plugin.cpu_backends.base import CPUExperts
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -54,22 +57,37 @@ def pin_in_place(tensor: torch.Tensor) -> None:
         )
 
 
-def pinned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` in one page-locked block of whole pages that no other
+def pinned_empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Tensors of ``layout`` in one page-locked block of whole pages that no other
     allocation shares (CUDA refuses to register a page twice; small tensors from the heap
     share pages), registered once."""
-    sizes = {name: -(-t.numel() * t.element_size() // _PAGE) * _PAGE for name, t in tensors.items()}
+    nbytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in layout.items()}
+    sizes = {name: -(-n // _PAGE) * _PAGE for name, n in nbytes.items()}
     raw = torch.empty(sum(sizes.values()) + 2 * _PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _PAGE
     block = raw[start : start + sum(sizes.values())]
     pin_in_place(block)
-    copies, offset = {}, 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        copies[name] = block[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        copies[name].copy_(tensor)
+    views, offset = {}, 0
+    for name, (shape, dtype) in layout.items():
+        views[name] = block[offset : offset + nbytes[name]].view(dtype).view(shape)
         offset += sizes[name]
+    return views
+
+
+def pinned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` in one page-locked block (see ``pinned_empty``)."""
+    copies = pinned_empty(layout_of(tensors))
+    for name, tensor in tensors.items():
+        copies[name].copy_(tensor)
     return copies
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {name: (t.shape, t.dtype) for name, t in tensors.items()}
+
+
+def layout_nbytes(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
 
 
 _PAGE = mmap.PAGESIZE
@@ -80,26 +98,36 @@ _PAGE = mmap.PAGESIZE
 STAGEABLE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
 
 
-def native_is_stageable(native: FusedMoEMethodBase) -> bool:
-    """Whether the native method's kernel reads its weights from the layer at each call."""
+# Of those, the ones that run the checkpoint's layout unchanged (w13 = gate then up), as a
+# CPU backend that writes its experts in the GPU layout (kt-kernel's BF16) hands them out.
+RAW_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def native_is_stageable(native: FusedMoEMethodBase, backends: tuple[str, ...] = STAGEABLE_BACKENDS) -> bool:
+    """Whether the native method's kernel reads its weights from the layer at each call
+    (and runs one of ``backends``)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     backend = getattr(native, "unquantized_backend", None)
-    return isinstance(native, UnquantizedFusedMoEMethod) and getattr(backend, "name", None) in STAGEABLE_BACKENDS
+    return isinstance(native, UnquantizedFusedMoEMethod) and getattr(backend, "name", None) in backends
 
 
 class HostExperts:
-    """One layer's CPU experts in the native runtime format, in (pinned) host memory."""
+    """One layer's CPU experts for GPU prefill, in the native runtime format: a (pinned)
+    host copy, or nothing of their own where the CPU backend writes its experts in that
+    format itself (``writer``): they are then written into a staging buffer each time."""
 
     def __init__(
         self,
         layer: RoutedExperts,
         make_native: Callable[[RoutedExperts], FusedMoEMethodBase],
-        num_experts: int,
+        cpu_expert_ids: list[int],
         create_args: dict[str, Any],
         pin: bool,
+        writer: CPUExperts | None = None,
     ) -> None:
         """``pin``: page-lock the copy after loading (under CUDA), so copies run async."""
+        num_experts = len(cpu_expert_ids)
         # A shallow copy shares the layer's configuration and expert map but owns its
         # parameters; its moe_config is copied too, since the native method sizes
         # itself by num_local_experts.
@@ -112,16 +140,38 @@ class HostExperts:
         shadow.local_num_experts = num_experts
         self.native = make_native(shadow)
         object.__setattr__(shadow, "quant_method", self.native)  # nn.Module would register it
-        with torch.device("cpu"):
+        self.writer = writer
+        self.device = torch.device("meta" if writer is not None else "cpu")  # a writer's: shapes only
+        with self.device:
             self.native.create_weights(shadow, num_experts=num_experts, **create_args)
         self.pin = pin
         self.shadow = shadow
-        self.num_experts = num_experts
-        self.nbytes = sum(p.numel() * p.element_size() for p in shadow.parameters(recurse=False))
+        self.cpu_expert_ids = cpu_expert_ids
         self.loaded = 0
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = {}  # the host copy (none with a writer)
+        self.layout = layout_of({n: p.data for n, p in shadow.named_parameters(recurse=False)})
         self.expert_map: torch.Tensor | None = None
         self._pinned: set[int] = set()  # data pointers already page-locked (weights can reload)
+
+    @property
+    def copies(self) -> bool:
+        """Whether this layer keeps a host copy (loaded from the checkpoint's tensors)."""
+        return self.writer is None
+
+    @property
+    def host_nbytes(self) -> int:
+        """RAM of the host copy."""
+        return layout_nbytes(layout_of(self.tensors))
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Bytes staged onto the GPU per use."""
+        return layout_nbytes(self.layout)
+
+    def write(self, views: dict[str, torch.Tensor]) -> None:
+        """The writer's experts into host ``views`` of this layout."""
+        assert self.writer is not None
+        self.writer.write_gpu_layout(self.cpu_expert_ids, views["w13_weight"], views["w2_weight"])
 
     def load(self, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, slot: int) -> None:
         """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader."""
@@ -133,12 +183,21 @@ class HostExperts:
         reload, only what is new). ``cpu_slot_of`` (on the device) routes the layer's
         expert ids: under CUDA as the shadow's expert map, so the kernel skips the picks of
         GPU experts; vLLM's CPU kernels ignore expert maps and get zero-weight picks."""
-        if not self.loaded and dummy:
+        if not self.loaded and dummy and self.copies:
             for param in self.shadow.parameters(recurse=False):
                 param.data.uniform_(_DUMMY_LOW, _DUMMY_HIGH)
-        with torch.device("cpu"):
+        with self.device:
             self.native.process_weights_after_loading(self.shadow)
         params = dict(self.shadow.named_parameters(recurse=False))
+        self.layout = layout_of({name: param.data for name, param in params.items()})
+        if self.copies:
+            self._keep_copy(params)
+        self.cpu_slot_of = cpu_slot_of
+        if cpu_slot_of.device.type == "cuda":
+            self.expert_map = cpu_slot_of
+            self.shadow._buffers["_expert_map"] = cpu_slot_of  # read by RoutedExperts.expert_map
+
+    def _keep_copy(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.tensors = {name: param.data.contiguous() for name, param in params.items()}
         if self.pin and any(t.data_ptr() not in self._pinned for t in self.tensors.values()):
             # Into one page-locked block; the shadow's parameters then live there (a
@@ -147,11 +206,6 @@ class HostExperts:
             for name, tensor in self.tensors.items():
                 params[name].data = tensor
             self._pinned = {t.data_ptr() for t in self.tensors.values()}
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
-        self.cpu_slot_of = cpu_slot_of
-        if cpu_slot_of.device.type == "cuda":
-            self.expert_map = cpu_slot_of
-            self.shadow._buffers["_expert_map"] = cpu_slot_of  # read by RoutedExperts.expert_map
 
     def apply(
         self, staged: dict[str, torch.Tensor], x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -178,26 +232,29 @@ class HostExperts:
 class StagingBuffers:
     """Two device buffers shared by every layer: one is computed from while the next
     layer's weights are copied into the other (copy stream, events) under CUDA; on the
-    CPU platform the copy is a plain synchronous one."""
+    CPU platform the copy is a plain synchronous one. Layers whose experts a CPU backend
+    writes (no host copy) are written into one of two host buffers first."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.numel: dict[str, tuple[int, torch.dtype]] = {}  # per weight: the largest layer's
         self.slots: list[dict[str, torch.Tensor]] = []
+        self.host_slots: list[dict[str, torch.Tensor]] = []  # for written layers, made on first use
         self.owner: list[HostExperts | None] = [None, None]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.uses = 0  # layers computed through the buffers, for tests and the log
         self.last = 1
 
     def reserve(self, host: HostExperts) -> None:
         """Grow the planned buffers to hold ``host`` (before the first use). Flat, so
         layers of any shape fit."""
-        for name, tensor in host.tensors.items():
-            numel, _ = self.numel.get(name, (0, tensor.dtype))
-            self.numel[name] = (max(numel, tensor.numel()), tensor.dtype)
+        for name, (shape, dtype) in host.layout.items():
+            numel, _ = self.numel.get(name, (0, dtype))
+            self.numel[name] = (max(numel, math.prod(shape)), dtype)
 
     @property
     def nbytes(self) -> int:
@@ -210,23 +267,42 @@ class StagingBuffers:
         ]
 
     def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
-        return {name: self.slots[index][name][: t.numel()].view(t.shape) for name, t in host.tensors.items()}
+        return {
+            name: self.slots[index][name][: math.prod(shape)].view(shape) for name, (shape, _) in host.layout.items()
+        }
+
+    def _written(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
+        """``host``'s experts, written by its CPU backend into host buffer ``index`` once
+        the copy that last read that buffer is done."""
+        if not self.host_slots:
+            flat = {name: (torch.Size([n]), dtype) for name, (n, dtype) in self.numel.items()}
+            self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
+        if self.cuda:
+            self.copied[index].synchronize()
+        views = {
+            name: self.host_slots[index][name][: math.prod(shape)].view(shape)
+            for name, (shape, _) in host.layout.items()
+        }
+        host.write(views)
+        return views
 
     def _copy_in(self, index: int, host: HostExperts) -> None:
         if not self.slots:
             self._allocate()
         self.owner[index] = host
         views = self._views(index, host)
+        source = host.tensors if host.copies else self._written(index, host)
         if not self.cuda:
-            for name, tensor in host.tensors.items():
+            for name, tensor in source.items():
                 views[name].copy_(tensor)
             return
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.free[index])  # the layer computing from it is done
-            for name, tensor in host.tensors.items():
+            for name, tensor in source.items():
                 views[name].copy_(tensor, non_blocking=True)
             self.ready[index].record(self.stream)
+            self.copied[index].record(self.stream)
 
     def _slot_of(self, host: HostExperts) -> int | None:
         return next((i for i, owner in enumerate(self.owner) if owner is host), None)
@@ -244,7 +320,8 @@ class StagingBuffers:
         return index, self._views(index, host)
 
     def prefetch(self, host: HostExperts, busy: int) -> None:
-        """Start copying ``host`` into the buffer that slot ``busy``'s layer does not use."""
+        """Start copying ``host`` into the buffer that slot ``busy``'s layer does not use
+        (a written layer is written first, which blocks this thread meanwhile)."""
         if self._slot_of(host) is None:
             self._copy_in(1 - busy, host)
 
@@ -254,3 +331,7 @@ class StagingBuffers:
 
     def describe(self) -> str:
         return f"{self.nbytes / GIB:.2f} GiB of GPU staging buffers (2 x the largest layer's CPU experts)"
+
+
+def _empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}

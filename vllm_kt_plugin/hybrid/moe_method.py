@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
-from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers, native_is_stageable
+from vllm_kt_plugin.hybrid.gpu_prefill import RAW_LAYOUT_BACKENDS, HostExperts, StagingBuffers, native_is_stageable
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
@@ -347,17 +347,19 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 **extra_weight_attrs,
             )
         if self.prefill_min_tokens:
+            cuda = self.moe.device.type == "cuda"
             self.host = HostExperts(
                 layer,
                 self._make_shadow_method,
-                self.placement.num_cpu_experts,
+                self.placement.cpu_expert_ids(),
                 dict(
                     hidden_size=hidden_size,
                     intermediate_size_per_partition=intermediate_size_per_partition,
                     params_dtype=params_dtype,
                     **extra_weight_attrs,
                 ),
-                pin=self.moe.device.type == "cuda",
+                pin=cuda,
+                writer=self._gpu_layout_writer(cuda),
             )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
@@ -365,6 +367,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             loader = getattr(param, "weight_loader", None)
             if name not in existing and loader is not None:
                 param.weight_loader = self._expert_weight_loader(layer, loader, name)
+
+    def _gpu_layout_writer(self, cuda: bool) -> CPUExperts | None:
+        """The CPU backend, where it can write its experts in the native kernel's layout
+        (then GPU prefill keeps no host copy); vLLM's CPU kernels repack theirs."""
+        raw = native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
+        return self.cpu if cuda and raw and self.cpu is not None and self.cpu.writes_gpu_layout else None
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -394,7 +402,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             if cpu is not None and (slot < 0 or cpu.wants_all_experts):
                 cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
             if slot < 0:
-                if host is not None:
+                if host is not None and host.copies:
                     host.load(param_name, loaded_weight, weight_name, shard_id, cpu_slots[expert_id])
                 return True if return_success else None
             with self._native_view(layer):
@@ -420,14 +428,17 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self.host.finalize(load_format == "dummy", self.placement.cpu_slot_of().to(self.moe.device))
         self.staging = staging_buffers(self.moe.device)
         self.staging.reserve(self.host)
-        hosts = [m.host for m in _LAYERS.values() if m.host is not None]
+        if self.host.copies:
+            hosts = [m.host for m in _LAYERS.values() if m.host is not None]
+            memory = "pinned host" if self.moe.device.type == "cuda" else "host"
+            copy_gib = sum(h.host_nbytes for h in hosts) / GIB
+            source = f"the CPU experts' copy takes {copy_gib:.2f} GiB of {memory} memory ({len(hosts)} layers)"
+        else:
+            source = f"{self.settings.method} CPU experts written by {self.settings.backend} (no host copy)"
         logger.info_once(
-            "kt-hybrid: GPU prefill for forwards of >= %d tokens: the CPU experts' copy takes %.2f GiB of "
-            "%s memory (%d layers), %s",
+            "kt-hybrid: GPU prefill for forwards of >= %d tokens: %s, %s",
             self.prefill_min_tokens,
-            sum(h.nbytes for h in hosts) / GIB,
-            "pinned host" if self.moe.device.type == "cuda" else "host",
-            len(hosts),
+            source,
             self.staging.describe(),
         )
 
@@ -512,12 +523,13 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         else:
             out = self._gpu_experts(layer, x, topk_weights, topk_ids)
         index, staged = self.staging.acquire(self.host)
+        cpu_out = self.host.apply(staged, x, topk_weights, topk_ids)
+        self.staging.release(index)
+        # After this layer's work is queued: a written next layer blocks this thread.
         if self._next_host is None:
             self._next_host = self._following_host()
         if self._next_host is not self.host:
             self.staging.prefetch(self._next_host, busy=index)
-        cpu_out = self.host.apply(staged, x, topk_weights, topk_ids)
-        self.staging.release(index)
         logger.info_once(
             "kt-hybrid: GPU prefill ran: a forward of >= %d tokens computed the CPU experts on the GPU",
             self.prefill_min_tokens,

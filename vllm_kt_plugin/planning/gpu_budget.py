@@ -119,7 +119,7 @@ def auto_gpu_prefill_refusal(
             f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
             f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
         )
-    ram = memory.gpu_prefill_host_bytes(num_gpu_experts) + (memory.cpu_expert_bytes(kt_method) or 0)
+    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method) + (memory.cpu_expert_bytes(kt_method) or 0)
     if ram > AUTO_GPU_PREFILL_MAX_RAM_SHARE * ram_available_bytes:
         return (
             f"its host copy plus kt-kernel's {kt_method} experts need {_gb(ram)} GB, more than "

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kt_plugin.settings.catalogue import KT_GPU_LAYOUT_WRITERS
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 # Bytes per weight of the CPU experts in each kt-kernel method's format, scales included
@@ -58,10 +60,11 @@ class ModelMemory:
         """GPU weight bytes with ``gpu_experts_per_layer`` experts kept in each MoE layer."""
         return self.non_expert_bytes + gpu_experts_per_layer * self.num_moe_layers * self.expert_bytes
 
-    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int) -> int:
+    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format (only unquantized checkpoints are staged)."""
-        if self.quantized:
+        format (only unquantized checkpoints are staged); none where kt-kernel writes its
+        own experts in the GPU layout (``KT_GPU_LAYOUT_WRITERS``)."""
+        if self.quantized or kt_method.upper() in KT_GPU_LAYOUT_WRITERS:
             return 0
         return (self.num_experts - gpu_experts_per_layer) * self.num_moe_layers * self.expert_bytes
 

@@ -34,7 +34,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
-from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import GIB, KT_GPU_LAYOUT_WRITERS, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
 
@@ -349,6 +349,19 @@ class KTKernelExperts(CPUExperts):
             f"{kt_kernel.__cpu_variant__} kernels, {settings.cpuinfer_threads} threads) from {weight_path}",
             time.perf_counter() - start,
         )
+
+    @property
+    def writes_gpu_layout(self) -> bool:
+        moe = getattr(self.wrapper, "moe", None)  # the C++ layer, once loaded
+        return self.method in KT_GPU_LAYOUT_WRITERS and hasattr(moe, "write_weight_scale_to_buffer_task")
+
+    def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+        # One task per expert on kt-kernel's threads; one GPU rank, and BF16 has no scales.
+        for row, expert_id in enumerate(expert_ids):
+            self.wrapper.submit_write_weight_scale_to_buffer(
+                1, expert_id, [w13[row].data_ptr()], [0], [w2[row].data_ptr()], [0]
+            )
+        self.wrapper.sync_write_weight_scale_to_buffer()
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
