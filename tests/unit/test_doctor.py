@@ -169,9 +169,13 @@ def test_ram_counts_the_gpu_prefill_copy() -> None:
     with_copy = check_ram("AMXINT4", QWEN3_30B, room, gpu_prefill_gpu_experts=33)
     assert with_copy.level == ERROR and "pinned for GPU prefill" in with_copy.reason, with_copy
     assert check_ram("AMXINT4", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33).level == OK
-    # kt-kernel writes BF16 experts back in the GPU layout itself: no copy to count.
-    alone = check_ram("BF16", QWEN3_30B, 2 * bf16)
-    assert check_ram("BF16", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33) == alone
+    # kt-kernel writes BF16 experts out itself: only two host buffers of one layer's
+    # CPU experts (95 of 128) count, not a copy of every layer.
+    memory = estimate_model_memory(QWEN3_30B)
+    buffers = 2 * 95 * memory.expert_bytes
+    assert memory.gpu_prefill_host_bytes(33, "BF16") == buffers
+    assert check_ram("BF16", QWEN3_30B, bf16 + buffers - 1, gpu_prefill_gpu_experts=33).level == ERROR
+    assert check_ram("BF16", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33).level == OK
 
 
 @pytest.fixture

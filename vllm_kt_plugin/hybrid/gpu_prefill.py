@@ -140,8 +140,10 @@ class HostExperts:
         shadow.local_num_experts = num_experts
         self.native = make_native(shadow)
         object.__setattr__(shadow, "quant_method", self.native)  # nn.Module would register it
-        self.writer = writer
-        self.device = torch.device("meta" if writer is not None else "cpu")  # a writer's: shapes only
+        # The shadow picks its kernel for its own expert count: the writer's layout must
+        # suit that one too.
+        self.writer = writer if native_is_stageable(self.native, RAW_LAYOUT_BACKENDS) else None
+        self.device = torch.device("meta" if self.writer is not None else "cpu")  # a writer's: shapes only
         with self.device:
             self.native.create_weights(shadow, num_experts=num_experts, **create_args)
         self.pin = pin
@@ -245,7 +247,6 @@ class StagingBuffers:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-        self.copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.uses = 0  # layers computed through the buffers, for tests and the log
         self.last = 1
 
@@ -278,7 +279,7 @@ class StagingBuffers:
             flat = {name: (torch.Size([n]), dtype) for name, (n, dtype) in self.numel.items()}
             self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
         if self.cuda:
-            self.copied[index].synchronize()
+            self.ready[index].synchronize()  # the last copy out of this host buffer
         views = {
             name: self.host_slots[index][name][: math.prod(shape)].view(shape)
             for name, (shape, _) in host.layout.items()
@@ -302,7 +303,6 @@ class StagingBuffers:
             for name, tensor in source.items():
                 views[name].copy_(tensor, non_blocking=True)
             self.ready[index].record(self.stream)
-            self.copied[index].record(self.stream)
 
     def _slot_of(self, host: HostExperts) -> int | None:
         return next((i for i, owner in enumerate(self.owner) if owner is host), None)

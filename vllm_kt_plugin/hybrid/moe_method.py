@@ -359,7 +359,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                     **extra_weight_attrs,
                 ),
                 pin=cuda,
-                writer=self._gpu_layout_writer(cuda),
+                writer=self._gpu_layout_writer(cuda, params_dtype),
             )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
@@ -368,11 +368,13 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             if name not in existing and loader is not None:
                 param.weight_loader = self._expert_weight_loader(layer, loader, name)
 
-    def _gpu_layout_writer(self, cuda: bool) -> CPUExperts | None:
+    def _gpu_layout_writer(self, cuda: bool, params_dtype: torch.dtype) -> CPUExperts | None:
         """The CPU backend, where it can write its experts in the native kernel's layout
-        (then GPU prefill keeps no host copy); vLLM's CPU kernels repack theirs."""
-        raw = native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
-        return self.cpu if cuda and raw and self.cpu is not None and self.cpu.writes_gpu_layout else None
+        (then GPU prefill keeps no host copy): under CUDA (vLLM's CPU kernels repack
+        theirs), in BF16 (what kt-kernel writes), whole experts (no tensor parallelism)."""
+        fits = cuda and params_dtype == torch.bfloat16 and self.moe.moe_parallel_config.tp_size == 1
+        writes = self.cpu is not None and self.cpu.writes_gpu_layout
+        return self.cpu if fits and writes and native_is_stageable(self.native, RAW_LAYOUT_BACKENDS) else None
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str

@@ -62,11 +62,13 @@ class ModelMemory:
 
     def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format (only unquantized checkpoints are staged); none where kt-kernel writes its
-        own experts in the GPU layout (``KT_GPU_LAYOUT_WRITERS``)."""
-        if self.quantized or kt_method.upper() in KT_GPU_LAYOUT_WRITERS:
+        format (only unquantized checkpoints are staged); where kt-kernel writes its own
+        experts in the GPU layout (``KT_GPU_LAYOUT_WRITERS``), two pinned buffers of one
+        layer's CPU experts instead."""
+        if self.quantized:
             return 0
-        return (self.num_experts - gpu_experts_per_layer) * self.num_moe_layers * self.expert_bytes
+        layers = 2 if kt_method.upper() in KT_GPU_LAYOUT_WRITERS else self.num_moe_layers
+        return (self.num_experts - gpu_experts_per_layer) * layers * self.expert_bytes
 
     def cpu_expert_bytes(self, kt_method: str) -> int | None:
         """RAM kt-kernel needs for the experts: it loads every expert of each layer (the

@@ -22,6 +22,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     kernel_available,
     kt_inference_methods,
     weight_files_missing,
+    writes_gpu_layout,
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     PROGRESS,
@@ -34,7 +35,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
-from vllm_kt_plugin.settings.catalogue import GIB, KT_GPU_LAYOUT_WRITERS, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
 
@@ -352,10 +353,17 @@ class KTKernelExperts(CPUExperts):
 
     @property
     def writes_gpu_layout(self) -> bool:
-        moe = getattr(self.wrapper, "moe", None)  # the C++ layer, once loaded
-        return self.method in KT_GPU_LAYOUT_WRITERS and hasattr(moe, "write_weight_scale_to_buffer_task")
+        return writes_gpu_layout(self.method)
 
     def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+        # kt-kernel writes whole BF16 experts (its own widths, not split by tensor
+        # parallelism) through raw pointers: anything else would overrun the rows.
+        spec = self.spec
+        whole = (len(expert_ids), 2 * spec.intermediate_size, spec.hidden_size)
+        if w13.shape != whole or w2.shape != (whole[0], spec.hidden_size, spec.intermediate_size):
+            raise ValueError(f"{spec.layer_name}: cannot write experts {whole} into {tuple(w13.shape)}")
+        if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+            raise ValueError(f"{spec.layer_name}: kt-kernel writes bfloat16 experts, not {w13.dtype}")
         # One task per expert on kt-kernel's threads; one GPU rank, and BF16 has no scales.
         for row, expert_id in enumerate(expert_ids):
             self.wrapper.submit_write_weight_scale_to_buffer(

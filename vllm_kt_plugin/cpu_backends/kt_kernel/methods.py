@@ -9,6 +9,7 @@ import glob
 import os
 
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+from vllm_kt_plugin.settings.catalogue import KT_GPU_LAYOUT_WRITERS
 
 # Methods whose weights kt-kernel reads straight from a Hugging Face checkpoint's
 # safetensors, so KT_WEIGHT_PATH can default to the model directory.
@@ -46,6 +47,17 @@ def kt_inference_methods() -> frozenset[str]:
     from kt_kernel.experts import INFERENCE_METHODS
 
     return frozenset(INFERENCE_METHODS)
+
+
+def writes_gpu_layout(method: str) -> bool:
+    """Whether kt-kernel can write ``method``'s experts back in the unquantized GPU layout
+    (known before any layer loads: the C++ class it will pick has the task)."""
+    if method not in KT_GPU_LAYOUT_WRITERS:
+        return False
+    from kt_kernel.utils import amx
+
+    moe_class = amx.AMXBF16_MOE or amx.AVX2BF16_MOE  # kt-kernel's own preference for BF16
+    return hasattr(moe_class, "write_weight_scale_to_buffer_task")
 
 
 def kernel_available(method: str) -> bool:
