@@ -65,11 +65,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         save(report, args.out)
     hybrid = best_hybrid(report["runs"])
     if hybrid is not None and not args.skip_layer:
-        env = {**hybrid.get("env", {}), "KT_CACHE_DIR": str(workdir / "layer-cache")}
-        layer = layer_in_child(model, env, log_dir, args.timeout)
-        report["layer_benchmark"] = {"method": hybrid["method"], **layer}
-        if "gpu_prefill" in layer:
-            report["gpu_prefill_break_even_tokens"] = layer.get("gpu_prefill_break_even_tokens")
+        layer = time_layer(report, model, hybrid["method"], hybrid.get("env", {}), workdir, args.timeout)
         decode = layer.get("tokens", {}).get("1")
         if decode:
             report["plugin_overhead"] = decode["plugin_overhead"]
@@ -93,12 +89,22 @@ def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, a
     spec = next((s for s in runs if s.system == "kt-hybrid"), None)
     if spec is None:
         raise SystemExit("--layer-only needs a kt-hybrid run (--systems kt-hybrid)")
-    env = {**spec.env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
-    layer = layer_in_child(spec.model, env, workdir / "logs", args.timeout)
-    report["layer_benchmark"] = {"method": spec.method, **layer}
-    report["gpu_prefill_break_even_tokens"] = report["layer_benchmark"].get("gpu_prefill_break_even_tokens")
+    time_layer(report, spec.model, spec.method, spec.env, workdir, args.timeout)
     save(report, args.out)
     return report
+
+
+def time_layer(
+    report: dict[str, Any], model: str, method: str, env: dict[str, str], workdir: Path, timeout_s: int
+) -> dict[str, Any]:
+    """One kt-hybrid layer of ``method`` timed alone, into ``report`` (with GPU prefill's
+    break-even where it was timed)."""
+    env = {**env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
+    layer = layer_in_child(model, env, workdir / "logs", timeout_s)
+    report["layer_benchmark"] = {"method": method, **layer}
+    if "gpu_prefill" in layer:
+        report["gpu_prefill_break_even_tokens"] = layer.get("gpu_prefill_break_even_tokens")
+    return layer
 
 
 def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:

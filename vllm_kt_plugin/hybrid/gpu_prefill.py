@@ -268,9 +268,7 @@ class StagingBuffers:
         ]
 
     def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
-        return {
-            name: self.slots[index][name][: math.prod(shape)].view(shape) for name, (shape, _) in host.layout.items()
-        }
+        return _shaped(self.slots[index], host.layout)
 
     def _written(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
         """``host``'s experts, written by its CPU backend into host buffer ``index`` once
@@ -280,10 +278,7 @@ class StagingBuffers:
             self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
         if self.cuda:
             self.ready[index].synchronize()  # the last copy out of this host buffer
-        views = {
-            name: self.host_slots[index][name][: math.prod(shape)].view(shape)
-            for name, (shape, _) in host.layout.items()
-        }
+        views = _shaped(self.host_slots[index], host.layout)
         host.write(views)
         return views
 
@@ -335,3 +330,10 @@ class StagingBuffers:
 
 def _empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
     return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+
+
+def _shaped(
+    flat: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """Views of the start of flat buffers in ``layout``'s shapes."""
+    return {name: flat[name][: math.prod(shape)].view(shape) for name, (shape, _) in layout.items()}

@@ -149,14 +149,18 @@ def _auto_gpu_prefill_min_tokens(native: FusedMoEMethodBase, quant_config: KTHyb
     refusal = quant_config.layer_plan.gpu_prefill_refusal
     if refusal is None and not native_is_stageable(native):
         refusal = (
-            f"it stages unquantized experts run by vLLM's Triton kernels, the GPU experts run "
-            f"{type(native).__name__} ({getattr(native, 'unquantized_backend', 'quantized')})"
+            f"it stages unquantized experts run by vLLM's Triton kernels, the GPU experts run {_kernel_of(native)}"
         )
     if refusal is not None:
         if refusal != NO_CUDA_DEVICE:
             logger.info_once("kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: %s", refusal)
         return 0
     return GPU_PREFILL_AUTO_MIN_TOKENS
+
+
+def _kernel_of(native: FusedMoEMethodBase) -> str:
+    """The native method and its unquantized backend, for messages."""
+    return f"{type(native).__name__} ({getattr(native, 'unquantized_backend', 'quantized')})"
 
 
 def _capturing() -> bool:
@@ -271,8 +275,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 "KT_GPU_PREFILL_MIN_TOKENS",
                 str(threshold),
                 "GPU prefill stages unquantized experts run by vLLM's Triton (or CPU) MoE kernels only; "
-                f"this checkpoint's GPU method is {type(self.native).__name__} "
-                f"({getattr(self.native, 'unquantized_backend', 'quantized')})",
+                f"this checkpoint's GPU method is {_kernel_of(self.native)}",
                 "0 (off) for this checkpoint",
             )
         graphs = _cuda_graph_batch_sizes(vllm_config)
@@ -484,10 +487,10 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
-        if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():
-            return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
+        if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():
+            return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
         span = self.metrics.start(x) if self.metrics is not None and self.cpu is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
@@ -514,8 +517,6 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         """Every routed expert on the GPU: the GPU experts as always, the CPU experts from
         the staging buffer, while the next layer's CPU experts are copied in."""
         assert self.host is not None
-        if RECORDER.enabled:
-            RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
         if self.staging.cuda and self.placement.num_gpu_experts:
             # vLLM's Triton kernels drop the picks an expert map sends to -1 before any
             # GEMM: thousands of CPU-expert picks then cost nothing here, where zero

@@ -113,8 +113,8 @@ def auto_gpu_prefill_refusal(
     if memory.quantized:
         return "the checkpoint is quantized (only unquantized experts are staged)"
     granted = device_total_bytes * gpu_memory_utilization
-    staging = staging_bytes(memory, 0, tensor_parallel_size)
-    if staging > AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted:
+    if not _staging_fits(memory, granted, tensor_parallel_size):
+        staging = staging_bytes(memory, 0, tensor_parallel_size)
         return (
             f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
             f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
@@ -133,8 +133,13 @@ def wants_staging_reserve(settings: KTSettings, memory: ModelMemory, granted_byt
     if settings.gpu_prefill_min_tokens == 0 or memory.quantized:
         return False
     if settings.gpu_prefill_min_tokens is None:  # auto: only where it would turn it on
-        return staging_bytes(memory, 0, tp) <= AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted_bytes
+        return _staging_fits(memory, granted_bytes, tp)
     return True
+
+
+def _staging_fits(memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
+    """Whether auto's staging buffers (all experts at worst) stay within their share."""
+    return staging_bytes(memory, 0, tp) <= AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted_bytes
 
 
 def measured_device_total_bytes() -> int | None:

@@ -64,22 +64,25 @@ class ExpertPlacement:
 
     def gpu_slot_of(self) -> torch.Tensor:
         """int32[num_experts]: the GPU slot of each expert, -1 for CPU experts."""
-        slots = torch.full((self.num_experts,), -1, dtype=torch.int32)
-        slots[self.gpu_mask] = torch.arange(self.num_gpu_experts, dtype=torch.int32)
-        return slots
+        return _slots(self.gpu_mask)
 
     def cpu_slot_of(self) -> torch.Tensor:
         """int32[num_experts]: each CPU expert's index among the CPU experts, -1 for GPU
         experts (the order of the GPU-prefill host copy)."""
-        slots = torch.full((self.num_experts,), -1, dtype=torch.int32)
-        slots[~self.gpu_mask] = torch.arange(self.num_cpu_experts, dtype=torch.int32)
-        return slots
+        return _slots(~self.gpu_mask)
 
     def describe(self) -> str:
         gpu = self.gpu_expert_ids()
         first_n = gpu == list(range(len(gpu)))
         shown = f"[0..{len(gpu) - 1}]" if first_n and gpu else str(gpu)
         return f"{self.num_gpu_experts} GPU experts {shown}, {self.num_cpu_experts} CPU experts"
+
+
+def _slots(mask: torch.Tensor) -> torch.Tensor:
+    """int32 per expert: its index among the experts ``mask`` selects, -1 for the others."""
+    slots = torch.full(mask.shape, -1, dtype=torch.int32)
+    slots[mask] = torch.arange(int(mask.sum()), dtype=torch.int32)
+    return slots
 
 
 def route_to_gpu_slots(
