@@ -10,6 +10,8 @@ BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load"}
 mkdir -p "$BENCH_OUT"
 [ -f /root/gpusite/env.sh ] && source /root/gpusite/env.sh
+# Ray, for the several-hosts test, installed apart (see benchmarks/ray-bundle.sh)
+[ -d /root/raysite ] && export PYTHONPATH=/root/raysite:$PYTHONPATH PATH=/root/raysite/bin:$PATH
 export PYTHONUNBUFFERED=1
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
@@ -31,7 +33,7 @@ fi
 
 if wants gpu-tests; then
   stage "gpu tests"
-  python3 -m pytest -m gpu tests/engine/test_gpu.py -k "${GPU_TESTS:-}" -v -rs -p no:cacheprovider \
+  python3 -m pytest -m gpu tests/engine/test_gpu.py tests/engine/test_ray_gpu.py -k "${GPU_TESTS:-}" -v -rs -p no:cacheprovider \
       > "$BENCH_OUT/gpu-tests.log" 2>&1
   stage "gpu tests exit $?"
 fi

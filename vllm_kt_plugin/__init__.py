@@ -13,14 +13,20 @@ _registered = False
 
 
 def register() -> None:
-    """Register the ``kt-hybrid`` quantization method with vLLM. Cheap and idempotent:
-    it imports only vLLM's quantization registry and our config class."""
+    """Register the ``kt-hybrid`` quantization method with vLLM, and let KT_* settings
+    travel to Ray workers as vLLM's own VLLM_* do (its Ray executor copies variables by
+    prefix; a worker on another host would otherwise start with none). Cheap and
+    idempotent: it imports vLLM's quantization registry, its Ray environment list (not
+    Ray) and our config class."""
     global _registered
     if _registered:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
+    from vllm.ray.ray_env import DEFAULT_ENV_VAR_PREFIXES
 
     from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig
+    from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
     register_quantization_config(QUANT_NAME)(KTHybridConfig)
+    DEFAULT_ENV_VAR_PREFIXES.add(SETTINGS_PREFIX)
     _registered = True

@@ -278,3 +278,27 @@ def test_doctor_with_nothing_set_says_what_this_cpu_runs(
     assert impossible <= sorted_methods["impossible"], sorted_methods
     assert set().union(*sorted_methods.values()) == set(KT_METHODS)  # every method, once
     assert sum(map(len, sorted_methods.values())) == len(KT_METHODS)
+
+
+def test_pipeline_stages_on_one_host_share_its_cores(model_dir: Path) -> None:
+    """Two pipeline stages here run two kt-kernel processes: the default threads are
+    halved and pooled per NUMA node; an explicit KT_CPUINFER sized for one process warns."""
+    verdicts = run_checks({"KT_METHOD": "BF16"}, machine(), str(model_dir), 2, 2)
+    by_check = {v.check: v for v in verdicts}
+    assert by_check["parallel"].level == OK and "2 kt-kernel process(es)" in by_check["parallel"].reason
+    assert by_check["threads"].level == OK
+    assert "KT_CPUINFER=55 in each of 2 kt-kernel processes" in by_check["threads"].reason
+    crowded = {v.check: v for v in run_checks({"KT_METHOD": "BF16", "KT_CPUINFER": "100"}, machine(), None, 1, 2)}
+    assert crowded["threads"].level == WARN and "2 pipeline stages" in crowded["threads"].reason
+    # Tensor parallelism alone: one kt-kernel process (rank 0), nothing divided.
+    alone = {v.check: v for v in run_checks({"KT_METHOD": "BF16"}, machine(), None, 4, 1)}
+    assert "parallel" not in alone and "KT_CPUINFER=110 of 112" in alone["threads"].reason
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_doctor_refuses_a_parallel_size_below_one(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kt_plugin.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", flag, "0"])
+    assert exit_info.value.code == 2 and f"{flag}: '0': must be >= 1" in capsys.readouterr().err

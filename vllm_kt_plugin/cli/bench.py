@@ -28,7 +28,7 @@ from vllm_kt_plugin.bench.engine_runs import (
 from vllm_kt_plugin.bench.layer_timing import layer_in_child
 from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
-from vllm_kt_plugin.settings.catalogue import GIB, cache_root
+from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def _load_spec(text: str) -> tuple[int, int]:
 
 def _env_pair(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
-    if not sep or not name.startswith("KT_"):
+    if not sep or not name.startswith(SETTINGS_PREFIX):
         raise argparse.ArgumentTypeError(f"{text!r}: expected KT_NAME=VALUE, e.g. KT_GPU_PREFILL_MIN_TOKENS=4096")
     return name, value
 

@@ -25,8 +25,11 @@ from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.variables import (
+    ALONE,
+    HostShare,
     KTSettings,
     check_threadpool_count,
+    host_share,
     numa_node_count,
     oversubscription,
     usable_cores,
@@ -106,14 +109,17 @@ def read_system(cpuinfo: str = "/proc/cpuinfo", meminfo: str = "/proc/meminfo") 
 # --- the checks -----------------------------------------------------------------------
 
 
-def check_settings(env: Mapping[str, str], system: SystemInfo) -> tuple[list[Verdict], KTSettings]:
-    """The settings as ``vllm serve`` parses them. Every bad variable is reported (each is
-    left out and the rest parsed again), and the other checks run on what remains."""
+def check_settings(
+    env: Mapping[str, str], system: SystemInfo, share: HostShare = ALONE
+) -> tuple[list[Verdict], KTSettings]:
+    """The settings as ``vllm serve`` parses them (in the first of ``share``'s kt-kernel
+    processes). Every bad variable is reported (each is left out and the rest parsed
+    again), and the other checks run on what remains."""
     env = dict(env)
     errors: list[Verdict] = []
     while True:
         try:
-            settings = load_settings(env, cores=system.usable_cores, numa_nodes=system.numa_nodes)
+            settings = load_settings(env, cores=system.usable_cores, numa_nodes=system.numa_nodes, share=share)
         except KTConfigError as e:
             errors.append(Verdict("settings", ERROR, str(e)))
             if e.variable not in env:  # not one variable's fault (e.g. inside a preset file)
@@ -189,11 +195,23 @@ def check_cpu(method: str | None, flags: frozenset[str]) -> Verdict:
     return Verdict("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
 
 
-def check_threads(threads: int, cores: int) -> Verdict:
-    slow = oversubscription(threads, cores)
+def check_threads(threads: int, cores: int, share: HostShare = ALONE) -> Verdict:
+    slow = oversubscription(threads, cores, share)
     if slow is not None:
         return Verdict("threads", WARN, slow)
-    return Verdict("threads", OK, f"KT_CPUINFER={threads} of {cores} usable cores ({cores - threads} left for vLLM)")
+    used = threads * share.ranks
+    each = f" in each of {share.ranks} kt-kernel processes (one per pipeline stage)" if share.ranks > 1 else ""
+    return Verdict("threads", OK, f"KT_CPUINFER={threads}{each} of {cores} usable cores ({cores - used} left for vLLM)")
+
+
+def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, share: HostShare) -> Verdict:
+    """Where the CPU experts are computed when several stages share this host."""
+    where = (
+        f"--tensor-parallel-size {tensor_parallel_size} --pipeline-parallel-size {pipeline_parallel_size}: "
+        f"tensor-parallel rank 0 of each pipeline stage computes the stage's CPU experts for all its ranks, "
+        f"so {share.ranks} kt-kernel process(es) run on this host (all stages here)"
+    )
+    return Verdict("parallel", OK, where)
 
 
 def check_numa(pools: int, numa_nodes: int, threads: int | None = None) -> Verdict:
@@ -319,8 +337,15 @@ def default_method(model_config: Mapping[str, Any] | None) -> str | None:
         return None
 
 
-def run_checks(env: Mapping[str, str], system: SystemInfo, model_dir: str | None = None) -> list[Verdict]:
-    settings_verdicts, settings = check_settings(env, system)
+def run_checks(
+    env: Mapping[str, str],
+    system: SystemInfo,
+    model_dir: str | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> list[Verdict]:
+    share = host_share(pipeline_parallel_size, tensor_parallel_size, 1, 0)
+    settings_verdicts, settings = check_settings(env, system, share)
     model_config, model_error = read_model_config(model_dir)
     method = settings.method or default_method(model_config)
     # A KT_WEIGHT_PATH the settings refused is still looked at, to say what is wrong with it.
@@ -329,7 +354,8 @@ def run_checks(env: Mapping[str, str], system: SystemInfo, model_dir: str | None
         *settings_verdicts,
         *([model_error] if model_error else []),
         check_cpu(method, system.cpu_flags),
-        check_threads(settings.cpuinfer_threads, system.usable_cores),
+        *([check_parallel(tensor_parallel_size, pipeline_parallel_size, share)] if share.ranks > 1 else []),
+        check_threads(settings.cpuinfer_threads, system.usable_cores, share),
         check_numa(settings.threadpool_count, system.numa_nodes, settings.cpuinfer_threads),
         *check_versions(system.versions, settings.backend),
         check_weights(method, weight_path, model_dir),
@@ -355,16 +381,49 @@ def format_report(verdicts: Sequence[Verdict]) -> str:
     return "\n".join(lines)
 
 
-def doctor(model_dir: str | None = None, env: Mapping[str, str] | None = None, system: SystemInfo | None = None) -> int:
+def doctor(
+    model_dir: str | None = None,
+    env: Mapping[str, str] | None = None,
+    system: SystemInfo | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> int:
     """Print the report; exit status 1 when any check is an ERROR."""
-    verdicts = run_checks(os.environ if env is None else env, system or read_system(), model_dir)
+    verdicts = run_checks(
+        os.environ if env is None else env,
+        system or read_system(),
+        model_dir,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+    )
     print(format_report(verdicts))
     return 1 if any(v.level == ERROR for v in verdicts) else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory; its config.json sizes the CPU experts for the RAM check")
+    parser.add_argument("--tensor-parallel-size", type=_positive, default=1, help="as given to vllm serve (default 1)")
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive,
+        default=1,
+        help="as given to vllm serve (default 1); every stage is assumed on this host",
+    )
+
+
+def _positive(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r}: must be >= 1")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
-    return doctor(args.model)
+    return doctor(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+    )

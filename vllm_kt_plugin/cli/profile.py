@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
+from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -65,7 +66,7 @@ def profile(model: str, prompts: list[Any], max_tokens: int, llm_args: dict[str,
         "max_tokens": max_tokens,
         "cpu_evaluations": sum(RECORDER.cpu_evaluations.values()),
         "gpu_expert_ids": {str(i): e for i, e in sorted(RECORDER.gpu_expert_ids.items())},
-        "settings": {k: v for k, v in os.environ.items() if k.startswith("KT_")},
+        "settings": {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)},
     }
 
 

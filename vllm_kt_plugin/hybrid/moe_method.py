@@ -201,7 +201,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         moe = layer.moe_config
         super().__init__(moe)
         check_layer_supported(layer, moe)
-        settings = quant_config.settings
+        settings = quant_config.process_settings
         vllm_config = get_current_vllm_config()
         chunk = settings.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)
 
@@ -237,6 +237,14 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                     "--enforce-eager, or KT_BACKEND=kt_kernel",
                 )
             self.cpu = quant_config.backend(spec, settings)
+        if self.placement.num_cpu_experts and moe.tp_size > 1:
+            logger.info_once(
+                "kt-hybrid: tensor-parallel rank %d of %d %s",
+                moe.tp_rank,
+                moe.tp_size,
+                "computes the CPU experts for all ranks" if self.cpu else "leaves the CPU experts to rank 0",
+                scope="process",
+            )
 
         self.prefill_min_tokens = self._gpu_prefill_min_tokens(vllm_config, quant_config)
         self.host: HostExperts | None = None  # built in create_weights when GPU prefill is on

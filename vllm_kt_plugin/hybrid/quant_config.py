@@ -4,6 +4,7 @@ except that each MoE layer's routed experts are split between it and a CPU backe
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -20,8 +21,8 @@ from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.planning.layer_plan import LayerPlan, check_plan
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
-from vllm_kt_plugin.settings.loader import load_settings
-from vllm_kt_plugin.settings.variables import KTSettings
+from vllm_kt_plugin.settings.loader import environment_drift, load_settings
+from vllm_kt_plugin.settings.variables import ALONE, HostShare, KTSettings, host_share
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -52,6 +53,22 @@ def resolve_native_method_name(hf_quant_cfg: dict[str, Any]) -> str:
     if not name:
         raise ValueError(f"cannot tell the quantization method of {hf_quant_cfg!r}")
     return str(name)
+
+
+def current_host_share() -> HostShare:
+    """This process's place among its host's kt-kernel processes, from vLLM's parallel
+    groups (in a worker); one process where they do not exist yet (the front end)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return ALONE
+    pipeline = parallel_state.get_pp_group()
+    return host_share(
+        pipeline.world_size,
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_node_count(),
+        pipeline.rank_in_group,
+    )
 
 
 @contextlib.contextmanager
@@ -85,6 +102,24 @@ class KTHybridConfig(QuantizationConfig):
             self.settings, self.backend = self._validated(settings or load_settings(), self.checkpoint)
         self.layer_plan = LayerPlan(self.settings)
         logger.info("kt-hybrid: native method %s; %s", self.native_name, self.settings.describe())
+
+    @functools.cached_property
+    def process_settings(self) -> KTSettings:
+        """The settings with this worker's share of its host's cores and NUMA nodes: vLLM
+        builds this config in its front end and hands it to every worker. They are the
+        front end's; a worker whose own KT_* differ (a Ray node that sets its own, or a
+        Ray executor that did not copy them) is told which apply."""
+        drift = environment_drift(self.settings)
+        if drift:
+            logger.warning(
+                "kt-hybrid: this worker's KT_* environment differs from vllm serve's: %s; "
+                "the values given to vllm serve apply (set KT_* where vllm serve starts)",
+                ", ".join(drift),
+            )
+        settings = self.settings.for_host(current_host_share())
+        if settings is not self.settings:
+            logger.info("kt-hybrid: on this host: %s", settings.describe())
+        return settings
 
     @staticmethod
     def _validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSettings, type[CPUExperts]]:

@@ -101,6 +101,8 @@ class LayerPlan:
 
         vllm_config = get_current_vllm_config()
         memory = model_memory(self.settings, vllm_config.model_config.hf_config.to_dict())
+        if memory is not None:
+            memory = _this_stage(memory, vllm_config)
         if memory is None:  # model_memory refused auto and front-loading already
             fixed = fixed_num_gpu_experts(self.settings, num_experts)
             assert fixed is not None
@@ -129,6 +131,20 @@ class LayerPlan:
         )
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.settings.expert_placement)
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)
+
+
+def _this_stage(memory: ModelMemory, vllm_config: Any) -> ModelMemory:
+    """With pipeline parallelism, the share of the stage this worker builds: its GPU
+    holds only its own layers, so ``auto`` sizes their experts to it."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.utils import get_pp_indices
+
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages == 1 or not parallel_state.model_parallel_is_initialized():
+        return memory
+    num_layers = vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
+    start, end = get_pp_indices(num_layers, parallel_state.get_pp_group().rank_in_group, stages)
+    return memory.stage(range(start, end), num_layers)
 
 
 def _ram_available_bytes() -> int:

@@ -11,7 +11,7 @@ Conventions: 1 GB here is 2**30 bytes (``settings.catalogue.GIB``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import KT_GPU_LAYOUT_WRITERS
@@ -59,6 +59,16 @@ class ModelMemory:
     def gpu_bytes(self, gpu_experts_per_layer: int) -> int:
         """GPU weight bytes with ``gpu_experts_per_layer`` experts kept in each MoE layer."""
         return self.non_expert_bytes + gpu_experts_per_layer * self.num_moe_layers * self.expert_bytes
+
+    def stage(self, layers: range, num_layers: int) -> ModelMemory:
+        """What one pipeline stage, holding decoder ``layers`` of ``num_layers``, puts on its
+        GPU: its own MoE layers, and the other weights in proportion (embedding and head,
+        which sit on the first and last stage, spread evenly)."""
+        return replace(
+            self,
+            moe_layers=tuple(i for i in self.moe_layers if i in layers),
+            non_expert_bytes=self.non_expert_bytes * len(layers) // max(1, num_layers),
+        )
 
     def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's

@@ -14,6 +14,7 @@ from pathlib import Path
 
 # Under vLLM's logger tree, so messages appear (and are filtered) like vLLM's own.
 LOGGER_NAME = "vllm.kt_hybrid"
+SETTINGS_PREFIX = "KT_"  # of every setting, and of kt-kernel's own variables
 
 # 1 GB in every KT_* setting and log line is 2**30 bytes, the unit GPU memory is quoted in
 # (an "80 GB" A100 has 80 GiB).

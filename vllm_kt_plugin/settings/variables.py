@@ -53,21 +53,62 @@ def numa_node_count() -> int:
     return max(1, len(nodes))
 
 
-def default_cpuinfer_threads(cores: int) -> int:
-    """All cores minus two: kt's spinning workers plus the Python and CUDA-callback
-    threads oversubscribe a fully used CPU (13-26x slower measured on the H200 host)."""
-    return max(1, cores - RESERVED_CORES)
+@dataclass(frozen=True)
+class HostShare:
+    """The kt-kernel processes of this host: tensor-parallel rank 0 of each pipeline stage
+    computes its stage's CPU experts, so the stages that share a host share its cores and
+    NUMA nodes. ``ranks``: how many run here; ``index``: this process's place among them."""
+
+    ranks: int = 1
+    index: int = 0
+
+    def describe(self) -> str:
+        return f"kt-kernel process {self.index + 1} of {self.ranks} on this host (one per pipeline stage)"
 
 
-def oversubscription(threads: int, cores: int) -> str | None:
-    """Why ``threads`` kt-kernel threads on ``cores`` usable cores is slow, or None."""
-    if threads < cores:
+ALONE = HostShare()  # the one kt-kernel process of its host
+
+
+def host_share(pipeline_size: int, tensor_size: int, nodes: int, pipeline_rank: int) -> HostShare:
+    """vLLM numbers ranks stage by stage (rank = stage x TP size + TP rank) and gives each
+    host a contiguous block of them; kt-kernel runs in each stage's first rank."""
+    per_host = max(1, pipeline_size * tensor_size // max(1, nodes))
+
+    def host_of(stage: int) -> int:
+        return stage * tensor_size // per_host
+
+    here = [stage for stage in range(pipeline_size) if host_of(stage) == host_of(pipeline_rank)]
+    return HostShare(len(here), here.index(pipeline_rank))
+
+
+def default_cpuinfer_threads(cores: int, share: HostShare = ALONE) -> int:
+    """All cores minus two, divided among the host's kt-kernel processes: kt's spinning
+    workers plus the Python and CUDA-callback threads oversubscribe a fully used CPU
+    (13-26x slower measured on the H200 host)."""
+    return max(1, (cores - RESERVED_CORES) // share.ranks)
+
+
+def oversubscription(threads: int, cores: int, share: HostShare = ALONE) -> str | None:
+    """Why ``threads`` kt-kernel threads in each of the host's kt-kernel processes, on
+    ``cores`` usable cores, is slow, or None."""
+    total = threads * share.ranks
+    if total < cores:
         return None
+    each = f" in each of the {share.ranks} pipeline stages on this host ({total} threads)" if share.ranks > 1 else ""
     return (
-        f"KT_CPUINFER={threads} uses all {cores} usable cores: kt-kernel's spinning workers then compete "
+        f"KT_CPUINFER={threads}{each} uses all {cores} usable cores: kt-kernel's spinning workers then compete "
         f"with vLLM's own threads (13-26x slower measured); leave at least {RESERVED_CORES} cores free, "
-        f"e.g. KT_CPUINFER={default_cpuinfer_threads(cores)}"
+        f"e.g. KT_CPUINFER={default_cpuinfer_threads(cores, share)}"
     )
+
+
+def numa_nodes_for(pools: int, numa_nodes: int, share: HostShare) -> tuple[int, ...] | None:
+    """The NUMA nodes of this process's thread pools when several kt-kernel processes share
+    the host and each can have nodes of its own (else None: kt-kernel's 0, 1, ...)."""
+    per_rank = numa_nodes // share.ranks
+    if share.ranks == 1 or per_rank < pools:
+        return None
+    return tuple(range(share.index * per_rank, share.index * per_rank + pools))
 
 
 def check_threadpool_count(pools: int, threads: int, numa_nodes: int) -> None:
@@ -130,6 +171,7 @@ class KTSettings:
     weight_path: str | None = None
     num_gpu_experts: int = 0
     cpuinfer_threads: int = 1
+    requested_threads: int | None = None  # KT_CPUINFER as given; None: divided from the usable cores
     threadpool_count: int = 1
     chunked_prefill_size: int | None = None
     max_deferred_experts_per_token: int = 0
@@ -143,7 +185,10 @@ class KTSettings:
     expert_placement_seed: int = 0
     metrics_interval_s: float = 0.0
     gpu_prefill_min_tokens: int | None = None  # None: auto (see the catalogue); 0: off
+    host_share: HostShare = ALONE
+    numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
+    given: tuple[tuple[str, str], ...] = ()  # the KT_* variables parsed, as set where vllm serve started
 
     @classmethod
     def from_env(
@@ -152,8 +197,10 @@ class KTSettings:
         *,
         cores: int | None = None,
         numa_nodes: int | None = None,
+        share: HostShare = ALONE,
     ) -> KTSettings:
-        """Parse and check every KT_* variable that needs no model knowledge."""
+        """Parse and check every KT_* variable that needs no model knowledge; ``share``:
+        the host's kt-kernel processes, among which the default threads are divided."""
         env = os.environ if env is None else env
         cores = usable_cores() if cores is None else cores
         numa_nodes = numa_node_count() if numa_nodes is None else numa_nodes
@@ -179,13 +226,8 @@ class KTSettings:
                 "KT_GPU_EXPERTS_RATIO", env["KT_GPU_EXPERTS_RATIO"], "KT_NUM_GPU_EXPERTS is set too; set only one"
             )
         placement, profile = _placement(env)
-        threads = _int(env, "KT_CPUINFER", 1)
-        if threads is None:
-            threads = default_cpuinfer_threads(cores)
-        elif (warning := oversubscription(threads, cores)) is not None:
-            logger.warning("kt-hybrid: %s", warning)
+        requested_threads = _int(env, "KT_CPUINFER", 1)
         pools = _int(env, "KT_THREADPOOL_COUNT", 1) or 1
-        check_threadpool_count(pools, threads, numa_nodes)
         chunk = _int(env, "KT_CHUNKED_PREFILL_SIZE", 1)
         deferred = _int(env, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", 0) or 0
         cache_dir = _str(env, "KT_CACHE_DIR")
@@ -195,7 +237,7 @@ class KTSettings:
             method=method,
             weight_path=weight_path,
             num_gpu_experts=num_gpu or 0,
-            cpuinfer_threads=threads,
+            requested_threads=requested_threads,
             threadpool_count=pools,
             chunked_prefill_size=chunk,
             max_deferred_experts_per_token=deferred,
@@ -209,6 +251,30 @@ class KTSettings:
             expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
             metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
             gpu_prefill_min_tokens=_int_or_auto(env, "KT_GPU_PREFILL_MIN_TOKENS", 0),
+        )._shared(share, cores=cores, numa_nodes=numa_nodes)
+
+    def for_host(self, share: HostShare, *, cores: int | None = None, numa_nodes: int | None = None) -> KTSettings:
+        """These settings in one of this host's ``share.ranks`` kt-kernel processes: vLLM
+        builds the config in its front end, before any rank exists and maybe on another
+        host, so each worker sizes its threads and NUMA nodes again, on its own host."""
+        here = self._shared(share, cores=cores, numa_nodes=numa_nodes, warn=False)
+        if here == self:
+            return self
+        return self._shared(share, cores=cores, numa_nodes=numa_nodes)
+
+    def _shared(self, share: HostShare, *, cores: int | None, numa_nodes: int | None, warn: bool = True) -> KTSettings:
+        """Threads (KT_CPUINFER, or the default divided by ``share``) and NUMA nodes, checked."""
+        cores = usable_cores() if cores is None else cores
+        numa_nodes = numa_node_count() if numa_nodes is None else numa_nodes
+        threads = self.requested_threads or default_cpuinfer_threads(cores, share)
+        if warn and self.requested_threads and (warning := oversubscription(threads, cores, share)) is not None:
+            logger.warning("kt-hybrid: %s", warning)
+        check_threadpool_count(self.threadpool_count, threads, numa_nodes)
+        return replace(
+            self,
+            cpuinfer_threads=threads,
+            host_share=share,
+            numa_nodes=numa_nodes_for(self.threadpool_count, numa_nodes, share),
         )
 
     def with_method(self, method: str) -> KTSettings:
@@ -254,10 +320,14 @@ class KTSettings:
         gpu = "auto" if self.gpu_experts_auto else self.num_gpu_experts
         if self.gpu_experts_ratio is not None:
             gpu = f"ratio {self.gpu_experts_ratio:g}"
+        host = ""
+        if self.host_share.ranks > 1:
+            nodes = f"NUMA nodes {list(self.numa_nodes)}" if self.numa_nodes else "NUMA nodes shared"
+            host = f" ({self.host_share.describe()}, {nodes})"
         return (
             f"backend={self.backend} method={self.method} gpu_experts={gpu} "
             f"placement={self.expert_placement} "
-            f"threads={self.cpuinfer_threads} pools={self.threadpool_count} "
+            f"threads={self.cpuinfer_threads}{host} pools={self.threadpool_count} "
             f"weight_path={self.weight_path or '<model dir>'}" + (f" preset={self.preset}" if self.preset else "")
         )
 

@@ -49,12 +49,15 @@ def build_moe(
     hidden: int = HIDDEN,
     inter: int = INTER,
     layer_idx: int | None = None,
+    decoder_layer: str | None = None,
     **factory_args: Any,
 ) -> Any:
-    """A MoERunner like a model's (``model.layers.<idx>.mlp.experts``)."""
+    """A MoERunner like a model's (``<decoder_layer>.mlp.experts``; by default
+    ``model.layers.<layer_idx>``)."""
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
-    idx = fresh_layer_index() if layer_idx is None else layer_idx
+    if decoder_layer is None:
+        decoder_layer = f"model.layers.{fresh_layer_index() if layer_idx is None else layer_idx}"
     return FusedMoEFactory(
         num_experts=num_experts,
         top_k=top_k,
@@ -63,7 +66,7 @@ def build_moe(
         params_dtype=torch.bfloat16,
         renormalize=True,
         quant_config=quant_config,
-        prefix=f"model.layers.{idx}.mlp.experts",
+        prefix=f"{decoder_layer}.mlp.experts",
         **factory_args,
     )
 

@@ -280,6 +280,7 @@ class KTKernelExperts(CPUExperts):
             "gpu_experts_mask": spec.placement.gpu_mask,
             "cpuinfer_threads": settings.cpuinfer_threads,
             "threadpool_count": settings.threadpool_count,
+            "numa_nodes": list(settings.numa_nodes) if settings.numa_nodes else None,
             "chunked_prefill_size": spec.chunked_prefill_size,
             "max_deferred_experts_per_token": max_deferred_experts_per_token,
             "method": self.method,
