@@ -3,7 +3,8 @@
 # are committed under benchmarks/results/. Run from the repo root on a GPU host prepared
 # as in ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite), detached:
 #   setsid nohup bash benchmarks/run_h200.sh &
-# STAGES picks what runs (default: all, in this order); GPU_TESTS is pytest's -k filter.
+# STAGES picks what runs (default: all, in this order); GPU_TEST_FILES and GPU_TESTS (pytest's
+# -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s).
 # Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
@@ -33,8 +34,10 @@ fi
 
 if wants gpu-tests; then
   stage "gpu tests"
-  python3 -m pytest -m gpu tests/engine/test_gpu.py tests/engine/test_ray_gpu.py -k "${GPU_TESTS:-}" -v -rs -p no:cacheprovider \
-      > "$BENCH_OUT/gpu-tests.log" 2>&1
+  # shellcheck disable=SC2086 - GPU_TEST_FILES is a list of paths
+  timeout "${GPU_TESTS_TIMEOUT:-1800}" python3 -m pytest -m gpu ${GPU_TEST_FILES:-tests/engine/test_gpu.py \
+      tests/engine/test_ray_gpu.py tests/engine/test_quantized_gpu.py} -k "${GPU_TESTS:-}" -v -s -rs \
+      -p no:cacheprovider > "$BENCH_OUT/gpu-tests.log" 2>&1
   stage "gpu tests exit $?"
 fi
 

@@ -32,6 +32,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def quantized_model(tmp_path_factory: pytest.TempPathFactory):
+    """``quantized_model(arch, fmt)`` -> directory of a tiny checkpoint in a quantized
+    format (``support.quantized_checkpoints.FORMATS``)."""
+    from vllm_kt_plugin.support.quantized_checkpoints import quantized_model_dir
+
+    root = _cache_root(tmp_path_factory)
+
+    def get(arch: str, fmt: str) -> Path:
+        return quantized_model_dir(arch, fmt, root)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A single-process vLLM world (gloo) and a VllmConfig, enough to build MoE layers
     the way a model does. Yields the VllmConfig's model dir-less factory context."""

@@ -109,8 +109,20 @@ def test_quantized_checkpoints_count_their_stored_bytes() -> None:
     fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
     assert linear_bytes_per_weight(fp8) == pytest.approx(1 + 4 / 128**2)
-    assert linear_bytes_per_weight(gptq) == pytest.approx(0.5 + 2 / 128)
+    assert linear_bytes_per_weight(gptq) == pytest.approx(0.5 + 2.5 / 128)
     assert linear_bytes_per_weight({"torch_dtype": "float32"}) == 4
+
+
+def test_compressed_tensors_int4_counts_its_groups_and_what_it_ignores() -> None:
+    """Kimi-K2-Thinking's layout: INT4 routed experts with a BF16 scale per 32 weights;
+    attention and shared experts in its ignore list stay BF16."""
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    quant = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights}}}
+    kimi = {"quantization_config": {**quant, "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}}
+    assert linear_bytes_per_weight(kimi) == pytest.approx(0.5 + 2 / 32)
+    assert linear_bytes_per_weight(kimi, experts=False) == 2
+    everything = {"quantization_config": {**quant, "ignore": ["lm_head"]}}
+    assert linear_bytes_per_weight(everything, experts=False) == pytest.approx(0.5 + 2 / 32)
 
 
 def test_missing_config_field_is_named() -> None:

@@ -194,7 +194,7 @@ def test_default_threads_leave_two_cores() -> None:
 
 def test_default_method_follows_the_checkpoint() -> None:
     kt_cls = backend_class("kt_kernel")
-    gptq = CheckpointFormat("gptq_marlin", {"quant_method": "gptq", "bits": 4, "sym": True})
+    gptq = CheckpointFormat("auto_gptq", {"quant_method": "gptq", "bits": 4, "sym": True})  # vLLM 0.32's name
     ct_int4 = CheckpointFormat("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 4}}}})
     ct_fp8_channel = CheckpointFormat(
         "compressed-tensors",

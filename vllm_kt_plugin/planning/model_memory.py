@@ -30,8 +30,8 @@ KT_METHOD_BYTES_PER_WEIGHT: dict[str, float] = {
     "AMXINT4": 0.5 + 4 / 128,
     "MOE_INT4": 0.5 + 4 / 128,
     "RAWINT4": 0.5 + 2 / 32,
-    "GPTQ_INT4": 0.5 + 2 / 128,
-    "SYCL_GPTQ_INT4": 0.5 + 2 / 128,
+    "GPTQ_INT4": 0.5 + 4 / 128,  # kt-kernel keeps the scales as float32
+    "SYCL_GPTQ_INT4": 0.5 + 4 / 128,
     "MXFP4": 0.5 + 1 / 32,
     "NVFP4": 0.5 + 1 / 16,
 }
@@ -151,22 +151,34 @@ def dtype_bytes(config: Mapping[str, Any]) -> int:
     return DTYPE_BYTES[name]
 
 
-def linear_bytes_per_weight(config: Mapping[str, Any]) -> float:
-    """Bytes per weight of the checkpoint's linear layers (experts, projections),
-    from ``quantization_config``: fp8 with its block scales, n-bit integer formats with
-    their group scales, else the model dtype."""
+def linear_bytes_per_weight(config: Mapping[str, Any], *, experts: bool = True) -> float:
+    """Bytes per weight of the checkpoint's routed experts (``experts``) or of its other
+    linear layers, from ``quantization_config``: fp8 with its block scales; GPTQ/AWQ n-bit
+    with group scales and zeros; compressed-tensors with its group's scales, and the model
+    dtype for layers its ``ignore`` list leaves unquantized (Kimi-K2-Thinking quantizes
+    only the routed experts); else the model dtype."""
     quant = _text_config(config).get("quantization_config") or {}
     method = str(quant.get("quant_method", "")).lower()
     if method == "fp8":
         block = quant.get("weight_block_size")
         return 1.0 + (4 / (block[0] * block[1]) if block else 0.0)
+    if method == "compressed-tensors":
+        weights = next(iter((quant.get("config_groups") or {}).values()), {}).get("weights") or {}
+        if not weights or (not experts and _ignores_attention(quant.get("ignore") or ())):
+            return float(dtype_bytes(config))
+        bits, group = int(weights.get("num_bits", 16)), int(weights.get("group_size") or 0)
+        return bits / 8 + (2 / group if group > 0 else 0.0)  # BF16 scale per group
     bits = quant.get("bits") or quant.get("w_bit")
-    for group in (quant.get("config_groups") or {}).values():
-        bits = bits or (group.get("weights") or {}).get("num_bits")
     if bits:
         group_size = int(quant.get("group_size") or quant.get("q_group_size") or 128)
-        return int(bits) / 8 + 2 / max(group_size, 1)
+        return int(bits) / 8 + (2 + int(bits) / 8) / max(group_size, 1)  # FP16 scale and packed zero per group
     return float(dtype_bytes(config))
+
+
+def _ignores_attention(ignore: Any) -> bool:
+    """Whether a compressed-tensors ``ignore`` list names attention projections (by name
+    or ``re:`` pattern)."""
+    return any("attn" in str(entry) for entry in ignore)
 
 
 def _attention_params(text_config: Mapping[str, Any], hidden: int) -> int:
@@ -212,12 +224,13 @@ def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
     plain_params = len(moe_layers) * experts * hidden + vocab * hidden * (
         1 if text_config.get("tie_word_embeddings") else 2
     )
-    per_linear, per_plain = linear_bytes_per_weight(config), dtype_bytes(config)
+    per_expert, per_linear = linear_bytes_per_weight(config), linear_bytes_per_weight(config, experts=False)
+    per_plain = dtype_bytes(config)
     return ModelMemory(
         num_experts=experts,
         moe_layers=moe_layers,
         expert_params=expert_params,
-        expert_bytes=int(expert_params * per_linear),
+        expert_bytes=int(expert_params * per_expert),
         non_expert_bytes=int(linear_params * per_linear + plain_params * per_plain),
         quantized=bool(text_config.get("quantization_config")),
     )

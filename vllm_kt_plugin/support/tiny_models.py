@@ -61,22 +61,31 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int) -> Any:
+# Quantizable shapes: every linear layer's widths a multiple of 128, as block-FP8 (128 x 128
+# blocks), GPTQ (groups of 128) and kt-kernel's AMXINT4 tiles need: 64-wide heads (the
+# 2 KV heads' projection is 128) and 128-wide experts.
+QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128}
+
+
+def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False) -> Any:
     import transformers
 
+    wide = QUANTIZABLE if quantizable else {}
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **_COMMON,
             vocab_size=vocab_size,
-            head_dim=32,
+            head_dim=wide.get("head_dim", 32),
             num_experts=num_experts,
             num_experts_per_tok=top_k,
-            moe_intermediate_size=64,
+            moe_intermediate_size=wide.get("moe_intermediate_size", 64),
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
     if arch == "mixtral":
+        if quantizable:
+            raise ValueError("the tiny Mixtral has no quantizable variant (its experts are already 256 wide)")
         return transformers.MixtralConfig(
             **_COMMON,
             vocab_size=vocab_size,
@@ -90,7 +99,7 @@ def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int) -> An
             **common,
             vocab_size=vocab_size,
             num_key_value_heads=4,
-            moe_intermediate_size=64,
+            moe_intermediate_size=wide.get("moe_intermediate_size", 64),
             n_routed_experts=num_experts,
             n_shared_experts=1,
             num_experts_per_tok=top_k,
@@ -219,8 +228,10 @@ def write_tiny_model(
     top_k: int = 2,
     seed: int = 0,
     train_steps: int = 600,
+    quantizable: bool = False,
 ) -> Path:
-    """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``."""
+    """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``;
+    ``quantizable``: with the ``QUANTIZABLE`` shapes."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -229,7 +240,7 @@ def write_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tokenizer(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    config = _arch_config(arch, vocab_size, num_experts, top_k)
+    config = _arch_config(arch, vocab_size, num_experts, top_k, quantizable)
     config.bos_token_id = 0
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|end|>")
     torch.manual_seed(seed)
@@ -251,9 +262,9 @@ def write_tiny_model(
     return out
 
 
-def tiny_model_dir(arch: str, root: str | Path) -> Path:
-    """``root/<arch>-v<GENERATOR_VERSION>``, written on first use."""
-    out = Path(root) / f"{arch}-v{GENERATOR_VERSION}"
+def tiny_model_dir(arch: str, root: str | Path, *, quantizable: bool = False) -> Path:
+    """``root/<arch>[-q128]-v<GENERATOR_VERSION>``, written on first use."""
+    out = Path(root) / f"{arch}{'-q128' if quantizable else ''}-v{GENERATOR_VERSION}"
     if not (out / "TINY_MODEL.json").exists():
-        write_tiny_model(arch, out)
+        write_tiny_model(arch, out, quantizable=quantizable)
     return out

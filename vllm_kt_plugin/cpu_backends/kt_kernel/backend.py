@@ -115,10 +115,12 @@ class KTKernelExperts(CPUExperts):
         quant, quant_config = checkpoint.quant_method, checkpoint.quant_config
         if quant is None:
             return "BF16"
+        # The checkpoint's own name: vLLM's varies by version and GPU (0.32: gptq -> auto_gptq).
+        quant = str(quant_config.get("quant_method") or quant).lower()
         if quant == "fp8" and quant_config.get("weight_block_size"):
             return "FP8"  # block scales (weight_scale_inv), as in DeepSeek-V3
         symmetric_gptq = quant_config.get("sym", True) and not quant_config.get("desc_act", False)
-        if quant in ("gptq", "gptq_marlin") and checkpoint.weight_bits == 4 and symmetric_gptq:
+        if quant == "gptq" and checkpoint.weight_bits == 4 and symmetric_gptq:
             return "GPTQ_INT4"
         if quant == "compressed-tensors":
             scheme = _ct_weight_scheme(quant_config)

@@ -1,0 +1,173 @@
+"""The tiny quantized checkpoints (``support.quantized_checkpoints``) hold what the big
+models ship: kt-kernel's own readers (FP8, RAWINT4, GPTQ_INT4) compute from them what the
+format defines, each checkpoint picks its kt-kernel method by default, and the sizing
+(``KT_NUM_GPU_EXPERTS=auto``, the presets, ``vllm-kt doctor``) counts their real bytes.
+
+vLLM's x86 CPU build runs none of these formats (no block-FP8 linear kernel; its INT4 MoE
+kernel is Arm-only), so serving them end to end is a GPU test: test_quantized_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
+from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.hybrid.quant_config import resolve_native_method_name
+from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+from vllm_kt_plugin.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK, GPTQ_GROUP
+
+pytestmark = pytest.mark.engine  # trains two tiny models (~1 min each on 2 cores)
+
+# (arch, format, the kt-kernel method the checkpoint selects)
+CHECKPOINTS = [
+    ("qwen3_moe", "fp8-block", "FP8"),
+    ("deepseek_v3", "fp8-block", "FP8"),
+    ("deepseek_v3", "ct-int4", "RAWINT4"),
+    ("qwen3_moe", "gptq-int4", "GPTQ_INT4"),
+]
+IDS = [f"{arch}-{fmt}" for arch, fmt, _ in CHECKPOINTS]
+
+
+def _unpack_int4(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Eight 4-bit values per int32 along the last dim, lowest nibble first (vLLM's pack_cols)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_cols
+
+    return unpack_cols(packed, 4, rows, cols)
+
+
+def dequantized(tensors: dict[str, torch.Tensor], fmt: str, base: str) -> torch.Tensor:
+    """The [out, in] float weight a format's tensors under ``base`` stand for."""
+    if fmt == "fp8-block":
+        weight, scale = tensors[f"{base}.weight"].float(), tensors[f"{base}.weight_scale_inv"]
+        rows, cols = weight.shape
+        bn, bk = FP8_BLOCK
+        return weight * scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+    if fmt == "ct-int4":
+        rows, cols = tensors[f"{base}.weight_shape"].tolist()
+        q = _unpack_int4(tensors[f"{base}.weight_packed"], rows, cols) - 8
+        return q.float() * tensors[f"{base}.weight_scale"].float().repeat_interleave(CT_GROUP, 1)
+    qweight = tensors[f"{base}.qweight"]  # gptq-int4: [in / 8, out], packed along the input
+    cols, rows = qweight.shape[0] * 8, qweight.shape[1]
+    q = _unpack_int4(qweight.t().contiguous(), rows, cols) - 8
+    return q.float() * tensors[f"{base}.scales"].float().t().repeat_interleave(GPTQ_GROUP, 1)
+
+
+def _experts_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def _config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
+def test_checkpoint_selects_its_kt_kernel_method(quantized_model, arch: str, fmt: str, method: str) -> None:
+    quant = _config(quantized_model(arch, fmt))["quantization_config"]
+    checkpoint = CheckpointFormat(resolve_native_method_name(quant), quant)
+    assert backend_class("kt_kernel").default_method(checkpoint) == method
+
+
+@pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
+def test_quantization_keeps_the_weights(tiny_model, quantized_model, arch: str, fmt: str, method: str) -> None:
+    """Every routed expert dequantizes to its BF16 source within the format's rounding."""
+    from vllm_kt_plugin.support.tiny_models import tiny_model_dir
+
+    model = quantized_model(arch, fmt)
+    source = load_file(next(tiny_model_dir(arch, model.parent, quantizable=True).glob("*.safetensors")))
+    tensors = load_file(model / "model.safetensors")
+    worst = 0.0
+    for name, weight in source.items():
+        if ".experts." in name and name.endswith("_proj.weight"):
+            error = (
+                dequantized(tensors, fmt, name.removesuffix(".weight")) - weight.float()
+            ).norm() / weight.float().norm()
+            worst = max(worst, error.item())
+    assert worst < (0.05 if fmt == "fp8-block" else 0.15), worst
+
+
+@pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
+def test_kt_kernel_reads_the_checkpoint(quantized_model, arch: str, fmt: str, method: str) -> None:
+    """kt-kernel's reader of ``method`` (half the experts masked as GPU experts) computes
+    what the format defines: the routed experts' weighted sum from the dequantized tensors."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+
+    kt_kernel = prepare_kt_kernel()
+    if not kernel_available(method):
+        pytest.skip(f"this CPU's kt-kernel build has no {method} kernel")
+    model = quantized_model(arch, fmt)
+    memory = estimate_model_memory(_config(model))
+    layer = memory.moe_layers[0]
+    config = _config(model)
+    hidden, width, experts = config["hidden_size"], config["moe_intermediate_size"], memory.num_experts
+    gpu = torch.zeros(experts, dtype=torch.bool)
+    gpu[: experts // 2] = True
+    wrapper = kt_kernel.KTMoEWrapper(
+        layer_idx=layer,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        hidden_size=hidden,
+        moe_intermediate_size=width,
+        gpu_experts_mask=gpu,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path=str(model),
+        chunked_prefill_size=64,
+        method=method,
+    )
+    physical_to_logical = torch.arange(experts)
+    wrapper.load_weights(physical_to_logical)
+    torch.manual_seed(0)
+    x = torch.randn(8, hidden, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(8)])
+    weights = torch.rand(8, 2)
+    wrapper.submit_forward(x, ids, weights, 0)
+    got = wrapper.sync_forward(x, 0).float()
+
+    tensors = load_file(model / "model.safetensors")
+    want = torch.zeros(8, hidden)
+    for t in range(8):
+        for k in range(2):
+            expert = int(ids[t, k])
+            if gpu[expert]:
+                continue
+            gate, up, down = (
+                dequantized(tensors, fmt, f"{_experts_prefix(layer)}.{expert}.{p}_proj") for p in ("gate", "up", "down")
+            )
+            xt = x[t].float()
+            want[t] += weights[t, k] * (down @ (torch.nn.functional.silu(gate @ xt) * (up @ xt)))
+    # Measured 0.3-1.1 % (kt-kernel rounds activations and partial sums to BF16).
+    assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+def _expert_file_bytes(tensors: dict[str, torch.Tensor], layer: int, expert: int) -> int:
+    prefix = f"{_experts_prefix(layer)}.{expert}."
+    return sum(t.numel() * t.element_size() for name, t in tensors.items() if name.startswith(prefix))
+
+
+@pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
+def test_sizing_counts_the_checkpoints_bytes(quantized_model, arch: str, fmt: str, method: str) -> None:
+    """The GPU budget (one expert on the GPU, in the checkpoint's format) and the RAM check
+    (kt-kernel's copy of every expert) from config.json, against the bytes in the file.
+    GPTQ's per-row g_idx (4 bytes per input row: 1/32 of a 128-wide expert, <1 % at real
+    widths) is not counted."""
+    model = quantized_model(arch, fmt)
+    memory = estimate_model_memory(_config(model))
+    tensors = load_file(model / "model.safetensors")
+    layer = memory.moe_layers[0]
+    stored = _expert_file_bytes(tensors, layer, 0)
+    g_idx = sum(
+        t.numel() * 4 for n, t in tensors.items() if n.startswith(f"{_experts_prefix(layer)}.0.") and "g_idx" in n
+    )
+    assert memory.expert_bytes == pytest.approx(stored - g_idx, rel=0.01)
+    all_experts = sum(_expert_file_bytes(tensors, i, e) for i in memory.moe_layers for e in range(memory.num_experts))
+    cpu_bytes = memory.cpu_expert_bytes(method)
+    assert cpu_bytes is not None
+    # kt-kernel keeps GPTQ scales as float32 (twice the file's FP16) and drops the zeros.
+    assert cpu_bytes == pytest.approx(all_experts, rel=0.08)

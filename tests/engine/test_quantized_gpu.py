@@ -1,0 +1,68 @@
+"""Quantized checkpoints end to end on a CUDA GPU: with ``--quantization kt-hybrid`` and
+KT_METHOD left to its default, the GPU experts run on the checkpoint's own vLLM method and
+kt-kernel reads the same files (FP8, RAWINT4, GPTQ_INT4); greedy tokens against plain vLLM
+on the same checkpoint, with half the experts on the CPU and with all of them.
+
+kt-kernel's CPU arithmetic is not the GPU kernels' (vLLM's block-FP8 MoE also quantizes
+activations to FP8; Marlin accumulates differently), so the comparison allows what
+QUANTIZED_BOUNDS states: completions that may differ (of the six) and the largest
+chosen-token logprob drift while the tokens agree. Eager mode keeps the 12 engine starts
+within a sitting; CUDA graphs around the CPU experts are test_gpu.py's.
+
+Skipped without a GPU; run with ``python -m pytest -m gpu tests/engine/test_quantized_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engines import PROMPTS, generate, generate_logged, long_prompt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.engine,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (arch, format, vLLM's MoE method on the GPU side, kt-kernel's method on the CPU side)
+CHECKPOINTS = [
+    ("qwen3_moe", "fp8-block", "Fp8MoEMethod", "FP8"),
+    ("deepseek_v3", "fp8-block", "Fp8MoEMethod", "FP8"),
+    ("deepseek_v3", "ct-int4", "CompressedTensorsWNA16MoEMethod", "RAWINT4"),
+    ("qwen3_moe", "gptq-int4", "AutoGPTQMoEMethod", "GPTQ_INT4"),
+]
+PLACEMENTS = {"half on CPU": "4", "all on CPU": "0"}
+# format: (completions that may differ, chosen-token logprob drift)
+QUANTIZED_BOUNDS = {"fp8-block": (1, 0.1), "ct-int4": (1, 0.1), "gptq-int4": (1, 0.1)}
+LLM = {"enforce_eager": True, "max_num_batched_tokens": 64}
+_plain: dict[str, list] = {}
+
+
+def drift(got: list, want: list) -> float:
+    """Largest |chosen-token logprob difference| over the steps where the tokens agree."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
+            if a != b:
+                break
+            worst = max(worst, abs(g["top2"][step][0] - w["top2"][step][0]))
+    return worst
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
+@pytest.mark.parametrize(("arch", "fmt", "native", "method"), CHECKPOINTS, ids=[f"{c[0]}-{c[1]}" for c in CHECKPOINTS])
+def test_quantized_checkpoint_against_plain_vllm(
+    quantized_model, arch: str, fmt: str, native: str, method: str, placement: str
+) -> None:
+    model = quantized_model(arch, fmt)
+    prompts = PROMPTS + [long_prompt(model, 180)]
+    if str(model) not in _plain:
+        _plain[str(model)] = generate(model, prompts, kt=None, llm=LLM, VLLM_PLUGINS="")
+    expected = _plain[str(model)]
+    got, log = generate_logged(model, prompts, kt={"KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}, llm=LLM)
+    assert f"GPU side: {native}, CPU side: kt_kernel {method} " in log
+    differing = sum(g["ids"] != w["ids"] for g, w in zip(got, expected, strict=True))
+    worst = drift(got[: len(PROMPTS)], expected[: len(PROMPTS)])
+    print(f"{arch} {fmt} {placement}: {differing} of {len(got)} completions differ; drift {worst:.4f}")
+    max_differing, max_drift = QUANTIZED_BOUNDS[fmt]
+    assert differing <= max_differing and worst <= max_drift, (differing, worst)
