@@ -63,8 +63,9 @@ _COMMON: dict[str, Any] = {
 
 # Quantizable shapes: every linear layer's widths a multiple of 128, as block-FP8 (128 x 128
 # blocks), GPTQ (groups of 128) and kt-kernel's AMXINT4 tiles need: 64-wide heads (the
-# 2 KV heads' projection is 128) and 128-wide experts.
-QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128}
+# 2 KV heads' projection is 128) and 128-wide experts; for MLA, DeepSeek-V3's own head
+# widths (nope 128, v 128), the ones vLLM's GPU MLA prefill kernels take.
+QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
 def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False) -> Any:
@@ -113,8 +114,8 @@ def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quant
             kv_lora_rank=512,
             q_lora_rank=None,
             qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
+            qk_nope_head_dim=wide.get("qk_nope_head_dim", 32),
+            v_head_dim=wide.get("v_head_dim", 32),
             rope_interleave=True,
             # YaRN with factor 1 is plain RoPE (same math in transformers and vLLM), but
             # vLLM then computes it in PyTorch: its CPU rotary kernel (the "default" rope
