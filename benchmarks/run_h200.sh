@@ -8,7 +8,7 @@
 # Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
-STAGES=${STAGES:-"layer gpu-tests restart-test bench load"}
+STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}
 mkdir -p "$BENCH_OUT"
 [ -f /root/gpusite/env.sh ] && source /root/gpusite/env.sh
 # Ray, for the several-hosts test, installed apart (see benchmarks/ray-bundle.sh)
@@ -61,6 +61,12 @@ if wants load; then  # every system behind `vllm serve` under `vllm bench serve`
       --load-input-len 128 --load-output-len 16 \
       --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
   stage "load bench exit $?"
+fi
+if wants fp8-bench; then  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU
+  stage "fp8 bench"
+  "${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}" \
+      --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json" > "$BENCH_OUT/fp8-bench.log" 2>&1
+  stage "fp8 bench exit $?"
 fi
 tar czf "$BENCH_OUT/bench-logs.tgz" -C /root/bench-work logs 2>/dev/null
 touch "$BENCH_OUT/DONE"

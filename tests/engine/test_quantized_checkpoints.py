@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.hardware import requires_kernel
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
@@ -89,6 +90,20 @@ def test_quantization_keeps_the_weights(tiny_model, quantized_model, arch: str, 
             ).norm() / weight.float().norm()
             worst = max(worst, error.item())
     assert worst < (0.05 if fmt == "fp8-block" else 0.15), worst
+
+
+@pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
+def test_the_plugins_file_check_accepts_the_checkpoint(quantized_model, arch: str, fmt: str, method: str) -> None:
+    """What `vllm serve` checks before kt-kernel reads (every expert's tensors, their shapes
+    and dtypes) takes the layouts vLLM's and compressed-tensors' quantizers write."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
+    from vllm_kt_plugin.planning.model_memory import expert_shape
+
+    model = quantized_model(arch, fmt)
+    shape = expert_shape(_config(model))
+    check_weight_files(
+        method, str(model), shape.moe_layers, shape.num_experts, shape.hidden_size, shape.intermediate_size
+    )
 
 
 @pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
@@ -171,3 +186,36 @@ def test_sizing_counts_the_checkpoints_bytes(quantized_model, arch: str, fmt: st
     assert cpu_bytes is not None
     # kt-kernel keeps GPTQ scales as float32 (twice the file's FP16) and drops the zeros.
     assert cpu_bytes == pytest.approx(all_experts, rel=0.08)
+
+
+@requires_kernel("FP8")
+def test_benchmark_fp8_experts_are_what_kt_kernel_reads(tmp_path: Path) -> None:
+    """The block-FP8 routed experts `vllm-kt bench --checkpoint fp8-block` writes for a
+    dummy-weight sitting pass the plugin's file checks and load into kt-kernel's FP8 reader."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+    from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
+    from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_fp8_experts
+
+    layers, experts, hidden, width = (1, 2), 8, 256, 128
+    out = write_dummy_fp8_experts(tmp_path / "experts", layers, experts, hidden, width)
+    check_weight_files("FP8", str(out), layers, experts, hidden, width)
+    kt_kernel = prepare_kt_kernel()
+    wrapper = kt_kernel.KTMoEWrapper(
+        layer_idx=2,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        hidden_size=hidden,
+        moe_intermediate_size=width,
+        gpu_experts_mask=torch.zeros(experts, dtype=torch.bool),
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path=str(out),
+        chunked_prefill_size=64,
+        method="FP8",
+    )
+    physical_to_logical = torch.arange(experts)
+    wrapper.load_weights(physical_to_logical)
+    x = torch.randn(4, hidden, dtype=torch.bfloat16)
+    wrapper.submit_forward(x, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), torch.full((4, 2), 0.5), 0)
+    out_rows = wrapper.sync_forward(x, 0).float()
+    assert torch.isfinite(out_rows).all() and out_rows.abs().sum() > 0

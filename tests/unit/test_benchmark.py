@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.bench.engine_runs import SHAPES, decode_summary, model_sizes, plan_runs
+from vllm_kt_plugin.bench.engine_runs import SHAPES, decode_summary, model_sizes, plan_runs, shape_config
 from vllm_kt_plugin.cli.bench import add_arguments
 from vllm_kt_plugin.settings.catalogue import GIB
 
@@ -35,6 +35,20 @@ def test_qwen3_30b_plan_holds_the_same_gpu_weight_memory() -> None:
     hybrid = runs[2]
     assert hybrid.env == {"KT_METHOD": "AMXINT4", "KT_NUM_GPU_EXPERTS": "33"}
     assert 16.5 < hybrid.gpu_weight_gb <= 17
+
+
+def test_fp8_block_sitting_runs_every_system_on_the_fp8_checkpoint() -> None:
+    """--checkpoint fp8-block: the shape as its FP8 release stores it (29 GiB); plain vLLM runs
+    FP8 on the GPU, and kt-hybrid reads the routed experts written on the host with
+    KT_METHOD=FP8. 9 GiB on the GPU holds 33 of 128 FP8 experts per layer (as 17 GiB of BF16)."""
+    sizes = model_sizes(shape_config("qwen3-30b-a3b", "fp8-block"))
+    assert abs(sizes.total_bytes / GIB - 29.03) < 0.05
+    argv = ("--checkpoint", "fp8-block", "--gpu-weight-gb", "9")
+    runs = plan_runs(args(*argv), "/m", "dummy", sizes, "/m-experts")
+    assert [(r.system, r.method) for r in runs] == [("vllm-gpu", "fp8"), ("vllm-offload", "fp8"), ("kt-hybrid", "FP8")]
+    assert runs[1].cpu_offload_gb == 21
+    assert runs[2].env == {"KT_METHOD": "FP8", "KT_NUM_GPU_EXPERTS": "33", "KT_WEIGHT_PATH": "/m-experts"}
+    assert shape_config("qwen3-30b-a3b", "fp8-block", layers=24)["num_hidden_layers"] == 24
 
 
 def test_real_weights_add_bf16_cpu_experts() -> None:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_bf16_experts, check_weight_files
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 
@@ -57,7 +57,7 @@ def write(directory: Path, tensors: dict[str, torch.Tensor], name: str = "model-
 
 
 def check(directory: Path) -> None:
-    check_bf16_experts(str(directory), LAYERS, E, H, INTER)
+    check_weight_files("BF16", str(directory), LAYERS, E, H, INTER)
 
 
 @pytest.mark.parametrize("layout", [DEEPSEEK, MIXTRAL], ids=["deepseek-qwen", "mixtral"])
@@ -114,10 +114,76 @@ def test_truncated_file_names_it(tmp_path: Path) -> None:
 
 def test_other_methods_check_that_files_open(tmp_path: Path) -> None:
     path = write(tmp_path, {"x": torch.zeros(2)}) / "model-00001.safetensors"
-    check_weight_files("FP8", str(tmp_path), LAYERS, E, H, INTER)  # no BF16 expert tensors needed
+    check_weight_files("MXFP4", str(tmp_path), LAYERS, E, H, INTER)  # its tensors are not checked (yet)
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(KTConfigError, match="cannot be read"):
-        check_weight_files("FP8", str(tmp_path), LAYERS, E, H, INTER)
+        check_weight_files("MXFP4", str(tmp_path), LAYERS, E, H, INTER)
+
+
+QH, QI = 16, 8  # hidden and expert width of the quantized layouts below (INT4 packs 8 per int32)
+
+
+def quantized_tensors(method: str) -> dict[str, torch.Tensor]:
+    """Every expert of LAYERS in ``method``'s layout: FP8 with 128 x 128 block scales,
+    compressed-tensors INT4 (groups of 8 here), GPTQ INT4 (one group)."""
+    tensors = {}
+    for layer in LAYERS:
+        for e in range(E):
+            for projection, (out, inn) in zip(DEEPSEEK[1], ((QI, QH), (QI, QH), (QH, QI)), strict=True):
+                base = f"model.layers.{layer}.mlp.experts.{e}.{projection}"
+                if method == "FP8":
+                    tensors[f"{base}.weight"] = torch.zeros(out, inn, dtype=torch.float8_e4m3fn)
+                    tensors[f"{base}.weight_scale_inv"] = torch.ones(1, 1)
+                elif method == "RAWINT4":
+                    tensors[f"{base}.weight_packed"] = torch.zeros(out, inn // 8, dtype=torch.int32)
+                    tensors[f"{base}.weight_scale"] = torch.ones(out, inn // 8, dtype=torch.bfloat16)
+                    tensors[f"{base}.weight_shape"] = torch.tensor([out, inn], dtype=torch.int32)
+                else:
+                    tensors[f"{base}.qweight"] = torch.zeros(inn // 8, out, dtype=torch.int32)
+                    tensors[f"{base}.scales"] = torch.ones(1, out, dtype=torch.float16)
+    return tensors
+
+
+# method: (tensor to break, its replacement, what the error must say)
+QUANTIZED_BREAKAGES = {
+    "FP8": (
+        "model.layers.2.mlp.experts.1.down_proj.weight_scale_inv",
+        torch.ones(2, 2),
+        "layer 2 expert 1: down_proj.weight_scale_inv in model-00001.safetensors is F32 [2, 2], expected F32/BF16 "
+        "[1, 1] (or [16] per channel)",
+    ),
+    "RAWINT4": (
+        "model.layers.1.mlp.experts.3.up_proj.weight_packed",
+        torch.zeros(QI, 1, dtype=torch.int32),
+        "layer 1 expert 3: up_proj in model-00001.safetensors is I32 [8, 1], expected I32 [8, 2]",
+    ),
+    "GPTQ_INT4": (
+        "model.layers.1.mlp.experts.0.gate_proj.scales",
+        torch.ones(3, QI, dtype=torch.float16),
+        "layer 1 expert 0: gate_proj.scales in model-00001.safetensors is F16 [3, 8], expected F16/BF16/F32 "
+        "[16/group, 8]",
+    ),
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED_BREAKAGES))
+def test_quantized_layouts_are_checked_tensor_by_tensor(tmp_path: Path, method: str) -> None:
+    """What kt-kernel's FP8, RAWINT4 and GPTQ_INT4 readers take passes; a scale or packed
+    weight of the wrong shape is one error naming the layer, expert, tensor and file."""
+    tensors = quantized_tensors(method)
+    check_weight_files(method, str(write(tmp_path / "ok", tensors)), LAYERS, E, QH, QI)
+    name, replacement, message = QUANTIZED_BREAKAGES[method]
+    tensors[name] = replacement
+    with pytest.raises(KTConfigError) as exc:
+        check_weight_files(method, str(write(tmp_path / "bad", tensors)), LAYERS, E, QH, QI)
+    assert message in str(exc.value)
+
+
+def test_a_missing_quantized_tensor_names_it(tmp_path: Path) -> None:
+    tensors = quantized_tensors("GPTQ_INT4")
+    del tensors["model.layers.2.mlp.experts.3.down_proj.scales"]
+    with pytest.raises(KTConfigError, match=r"layer 2 expert 3: no down_proj.scales tensor \(model.layers.2"):
+        check_weight_files("GPTQ_INT4", str(write(tmp_path, tensors)), LAYERS, E, QH, QI)
 
 
 def test_packed_experts_pass_and_are_shape_checked(tmp_path: Path) -> None:

@@ -306,14 +306,34 @@ def host_info() -> dict[str, Any]:
     return info
 
 
+# --checkpoint: the format every system's checkpoint has; the name plain vLLM's runs
+# carry, and the kt-kernel method that reads its experts.
+CHECKPOINTS = {"bf16": ("bf16", None), "fp8-block": ("fp8", "FP8")}
+
+
+def shape_config(shape: str, checkpoint: str = "bf16", layers: int = 0) -> dict[str, Any]:
+    """A built-in shape's config.json, with ``layers`` decoder layers (0: all) and, for a
+    quantized ``checkpoint``, its ``quantization_config``."""
+    from vllm_kt_plugin.planning.model_memory import moe_layer_indices
+    from vllm_kt_plugin.support.quantized_checkpoints import fp8_block_config
+
+    config = dict(SHAPES[shape])
+    if layers:
+        config["num_hidden_layers"] = layers
+    if checkpoint == "fp8-block":
+        config["quantization_config"] = fp8_block_config(moe_layer_indices(config))
+    return config
+
+
 def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[str, str, dict[str, Any]]:
     """(model dir, load_format, config): a built-in shape is written as a config-only dir."""
     if args.model:
         hf_config = json.loads((Path(args.model) / "config.json").read_text())
         has_weights = any(Path(args.model).glob("*.safetensors"))
         return args.model, "auto" if has_weights else "dummy", hf_config
-    hf_config = SHAPES[args.shape]
-    model_dir = workdir / f"model-{args.shape}"
+    hf_config = shape_config(args.shape, args.checkpoint, args.layers)
+    suffix = ("" if args.checkpoint == "bf16" else f"-{args.checkpoint}") + (f"-{args.layers}l" if args.layers else "")
+    model_dir = workdir / f"model-{args.shape}{suffix}"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     if not (model_dir / "tokenizer.json").exists():  # `vllm serve` and `vllm bench serve` need one
@@ -321,23 +341,31 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[str, str, di
     return str(model_dir), "dummy", hf_config
 
 
-def plan_runs(args: argparse.Namespace, model: str, load_format: str, sizes: ModelSizes) -> list[RunSpec]:
+def plan_runs(
+    args: argparse.Namespace, model: str, load_format: str, sizes: ModelSizes, expert_files: str | None = None
+) -> list[RunSpec]:
+    """The sitting's runs. A quantized ``--checkpoint`` runs kt-hybrid with the kt-kernel
+    method that reads it, from ``expert_files`` (its routed experts written on this host)."""
     total_gb = sizes.total_bytes / GIB
     n_gpu = sizes.gpu_experts_for(args.gpu_weight_gb * GIB)
     common = {"model": model, "load_format": load_format, "decode_tokens": args.decode_tokens}
+    plain, own_method = CHECKPOINTS[args.checkpoint]
     runs: list[RunSpec] = []
     systems = set(args.systems.split(","))
     if "vllm-gpu" in systems:
-        runs.append(RunSpec("vllm-gpu", "bf16", gpu_weight_gb=round(total_gb, 1), **common))
+        runs.append(RunSpec("vllm-gpu", plain, gpu_weight_gb=round(total_gb, 1), **common))
     if "vllm-offload" in systems:
         offload = max(0.0, math.ceil(total_gb - args.gpu_weight_gb))
-        runs.append(RunSpec("vllm-offload", "bf16", gpu_weight_gb=args.gpu_weight_gb, cpu_offload_gb=offload, **common))
+        runs.append(RunSpec("vllm-offload", plain, gpu_weight_gb=args.gpu_weight_gb, cpu_offload_gb=offload, **common))
     if "kt-hybrid" in systems:
         methods = [m.strip().upper() for m in args.methods.split(",") if m.strip()]
-        if load_format != "dummy" and "BF16" not in methods:
+        if own_method is not None:
+            methods = [own_method]
+        elif load_format != "dummy" and "BF16" not in methods:
             methods.append("BF16")
+        weight_path = {"KT_WEIGHT_PATH": expert_files} if own_method is not None and expert_files else {}
         for method in methods:
-            env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu), **dict(args.kt_env)}
+            env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu), **weight_path, **dict(args.kt_env)}
             if args.cpuinfer:
                 env["KT_CPUINFER"] = str(args.cpuinfer)
             gb = round(sizes.gpu_weight_bytes(n_gpu) / GIB, 2)

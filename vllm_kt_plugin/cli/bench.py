@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.bench.engine_runs import (
+    CHECKPOINTS,
     SHAPES,
+    ModelSizes,
     RunSpec,
     host_info,
     model_sizes,
@@ -29,6 +31,7 @@ from vllm_kt_plugin.bench.layer_timing import layer_in_child
 from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
+from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_fp8_experts
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,7 +40,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     model, load_format, hf_config = prepare_model(args, workdir)
     sizes = model_sizes(hf_config)
-    runs = plan_runs(args, model, load_format, sizes)
+    runs = plan_runs(args, model, load_format, sizes, expert_files(args, model, hf_config, sizes))
     print(
         f"[bench] {model}: {sizes.total_bytes / GIB:.1f} GiB of weights, {sizes.layers} MoE layers x "
         f"{sizes.num_experts} experts ({sizes.expert_bytes / 2**20:.1f} MiB each); {len(runs)} runs",
@@ -54,6 +57,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
             "experts": round(sizes.experts_bytes / GIB, 2),
         },
         "target_gpu_weight_gb": args.gpu_weight_gb,
+        "checkpoint": args.checkpoint,
+        "layers": hf_config["num_hidden_layers"],
         "runs": [],
     }
     if args.load:
@@ -82,6 +87,17 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
             report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
     save(report, args.out)
     return report
+
+
+def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
+    """For a quantized --checkpoint of a built-in shape: its routed experts, written once
+    beside the model dir for kt-kernel to read (vLLM's systems run dummy weights)."""
+    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in args.systems.split(","):
+        return None
+    out = Path(f"{model}-experts")
+    print(f"[bench] block-FP8 routed experts for kt-kernel: {out} (written once)", flush=True)
+    write_dummy_fp8_experts(out, sizes.memory.moe_layers, sizes.num_experts, sizes.hidden, sizes.expert_inter)
+    return str(out)
 
 
 def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, args: argparse.Namespace) -> dict:
@@ -148,6 +164,14 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="built-in model shape")
+    parser.add_argument(
+        "--checkpoint",
+        default="bf16",
+        choices=sorted(CHECKPOINTS),
+        help="the built-in shape's checkpoint format; fp8-block runs kt-hybrid with KT_METHOD=FP8 on routed "
+        "experts written on this host",
+    )
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers of the built-in shape (0: all)")
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
     parser.add_argument("--gpu-weight-gb", type=float, default=17.0, help="GPU weight memory for offload and kt-hybrid")
     parser.add_argument("--methods", default="AMXINT4,AMXINT8", help="kt-kernel methods for kt-hybrid")

@@ -87,14 +87,64 @@ def _fp8_block(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple
         weight, scale = per_block_cast_to_fp8(tensors[name].float(), list(FP8_BLOCK))
         out[name] = weight
         out[name.removesuffix("weight") + "weight_scale_inv"] = scale.float().contiguous()
-    config = {
+    return out, fp8_block_config(moe_layers)
+
+
+def fp8_block_config(moe_layers: list[int] | tuple[int, ...]) -> dict[str, Any]:
+    """``quantization_config`` of a block-FP8 checkpoint: routers (which vLLM's Qwen-MoE
+    would quantize with the rest) and the head stay unquantized."""
+    return {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
         "weight_block_size": list(FP8_BLOCK),
         "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in moe_layers)],
     }
-    return out, config
+
+
+def write_dummy_fp8_experts(
+    out: Path, moe_layers: list[int] | tuple[int, ...], num_experts: int, hidden: int, width: int
+) -> Path:
+    """Random block-FP8 routed experts, one safetensors file per MoE layer, named as in a
+    DeepSeek/Qwen checkpoint: what kt-kernel's FP8 reader takes as KT_WEIGHT_PATH for a
+    benchmark whose GPU side runs vLLM's dummy weights. Written once (``COMPLETE`` marks
+    it), with a line per layer: a 30B model takes a few minutes."""
+    import time
+
+    from safetensors.torch import save_file
+
+    if (out / "COMPLETE").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    for done, layer in enumerate(moe_layers, 1):
+        tensors: dict[str, torch.Tensor] = {}
+        for expert in range(num_experts):
+            base = f"model.layers.{layer}.mlp.experts.{expert}"
+            for name, shape in (
+                ("gate_proj", (width, hidden)),
+                ("up_proj", (width, hidden)),
+                ("down_proj", (hidden, width)),
+            ):
+                tensors[f"{base}.{name}.weight"] = _random_fp8(shape, generator)
+                blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
+                tensors[f"{base}.{name}.weight_scale_inv"] = torch.full(blocks, 1e-3, dtype=torch.float32)
+        save_file(tensors, out / f"experts-layer-{layer:03d}.safetensors", metadata={"format": "pt"})
+        print(
+            f"[fp8 experts] layer {layer}: {done}/{len(moe_layers)} written to {out} "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    (out / "COMPLETE").write_text("")
+    return out
+
+
+def _random_fp8(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """Random finite e4m3 values: every byte but the two NaN patterns (S.1111.111)."""
+    values = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    values[(values & 0x7F) == 0x7F] -= 1
+    return values.view(torch.float8_e4m3fn)
 
 
 def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[dict, dict[str, Any]]:

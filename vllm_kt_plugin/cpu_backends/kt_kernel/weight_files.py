@@ -9,23 +9,24 @@ right one (the server serves garbage without an error). So every file is opened 
 and every CPU-expert tensor the loader will look up is checked for presence, dtype and
 shape, with one error naming the layer, the expert and the file.
 
-Shapes and dtypes are checked for BF16 (the checkpoint's own tensors); for the other
-methods that read a Hugging Face checkpoint the files are checked to open.
+Shapes and dtypes are checked for the methods that read a Hugging Face checkpoint's own
+expert tensors: BF16, FP8 (block or per-channel scales), RAWINT4 (compressed-tensors
+pack-quantized) and GPTQ_INT4; for the others the files are checked to open.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_kt_plugin.settings.errors import KTConfigError
 
-# kt-kernel's BF16 loader names (kt_kernel.utils.loader.BF16SafeTensorLoader.MOE_FORMATS):
-# experts under "<layer>.mlp.experts" (DeepSeek, Qwen) or "<layer>.block_sparse_moe.experts"
-# (Mixtral), with these projection names for gate, up and down.
-BF16_LAYOUTS = (
+# kt-kernel's loaders' names (kt_kernel.utils.loader, MOE_FORMATS): experts under
+# "<layer>.mlp.experts" (DeepSeek, Qwen) or "<layer>.block_sparse_moe.experts" (Mixtral),
+# with these projection names for gate, up and down.
+EXPERT_LAYOUTS = (
     (".mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     (".block_sparse_moe.experts", ("w1", "w3", "w2")),
 )
@@ -72,17 +73,84 @@ def read_index(directory: str, *, is_model_dir: bool = False) -> dict[str, Tenso
     return index
 
 
-def _expert_names(layer: int, expert: int, index: dict[str, TensorInfo]) -> Iterator[tuple[str, str]]:
-    """(projection, tensor name) of one expert, in the layout the checkpoint uses."""
+FP8_BLOCK = 128  # kt-kernel's FP8 kernel reads 128 x 128 block scales
+
+
+def _fp8_scale_shape(out: int, inn: int, shape: tuple[int, ...]) -> bool:
+    """Block scales (one per 128 x 128 block) or per-channel ones ([out] or [out, 1])."""
+    blocks = (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
+    return shape in (blocks, (out,), (out, 1))
+
+
+def _group_columns(out: int, inn: int, shape: tuple[int, ...]) -> bool:
+    """[out, inn / group]: one scale per group of inputs, for each output."""
+    return len(shape) == 2 and shape[0] == out and shape[1] > 0 and inn % shape[1] == 0
+
+
+def _group_rows(out: int, inn: int, shape: tuple[int, ...]) -> bool:
+    """[inn / group, out], GPTQ's transposed layout."""
+    return len(shape) == 2 and shape[1] == out and shape[0] > 0 and inn % shape[0] == 0
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One tensor kt-kernel reads per expert projection of weight shape [out, in]: its name
+    suffix, dtypes, and its shape as an exact function of (out, in) or a rule with the
+    shape it describes."""
+
+    suffix: str
+    dtypes: tuple[str, ...]
+    exact: Callable[[int, int], tuple[int, ...]] | None = None
+    rule: Callable[[int, int, tuple[int, ...]], bool] | None = None
+    described: str = ""
+
+    def fits(self, out: int, inn: int, shape: tuple[int, ...]) -> bool:
+        if self.exact is not None:
+            return shape == self.exact(out, inn)
+        assert self.rule is not None
+        return self.rule(out, inn, shape)
+
+    def shown(self, out: int, inn: int) -> str:
+        if self.exact is not None:
+            return f"{'/'.join(self.dtypes)} {list(self.exact(out, inn))}"
+        blocks = {"blocks_out": -(-out // FP8_BLOCK), "blocks_in": -(-inn // FP8_BLOCK)}
+        return f"{'/'.join(self.dtypes)} {self.described.format(out=out, inn=inn, **blocks)}"
+
+
+# What each method reads per projection (kt_kernel.utils.loader: BF16SafeTensorLoader,
+# FP8SafeTensorLoader, CompressedSafeTensorLoader, GPTQSafeTensorLoader). The first entry
+# names the projection's tensor that shows which layout a checkpoint uses.
+METHOD_TENSORS: dict[str, tuple[Expected, ...]] = {
+    "BF16": (Expected("weight", ("BF16",), exact=lambda o, i: (o, i)),),
+    "FP8": (
+        Expected("weight", ("F8_E4M3",), exact=lambda o, i: (o, i)),
+        Expected(
+            "weight_scale_inv",
+            ("F32", "BF16"),
+            rule=_fp8_scale_shape,
+            described="[{blocks_out}, {blocks_in}] (or [{out}] per channel)",
+        ),
+    ),
+    "RAWINT4": (
+        Expected("weight_packed", ("I32",), exact=lambda o, i: (o, i // 8)),
+        Expected("weight_scale", ("BF16", "F16", "F32"), rule=_group_columns, described="[{out}, {inn}/group]"),
+    ),
+    "GPTQ_INT4": (
+        Expected("qweight", ("I32",), exact=lambda o, i: (i // 8, o)),
+        Expected("scales", ("F16", "BF16", "F32"), rule=_group_rows, described="[{inn}/group, {out}]"),
+    ),
+}
+
+
+def _layout(layer: int, index: dict[str, TensorInfo], probe: str) -> tuple[str, tuple[str, ...]] | None:
+    """The experts prefix and gate/up/down names the checkpoint uses for ``layer``."""
     for prefix_template in LAYER_PREFIXES:
         prefix = prefix_template.format(layer)
-        for experts, projections in BF16_LAYOUTS:
+        for experts, projections in EXPERT_LAYOUTS:
             base = f"{prefix}{experts}"
-            if f"{base}.0.{projections[0]}.weight" in index:
-                for projection in projections:
-                    yield projection, f"{base}.{expert}.{projection}.weight"
-                return
-    yield from ((projection, "") for projection in BF16_LAYOUTS[0][1])
+            if f"{base}.0.{projections[0]}.{probe}" in index:
+                return base, projections
+    return None
 
 
 def _packed_experts(layer: int, index: dict[str, TensorInfo]) -> str | None:
@@ -95,23 +163,28 @@ def _packed_experts(layer: int, index: dict[str, TensorInfo]) -> str | None:
     return None
 
 
-def _expect(
+def _check_tensor(
     directory: str,
-    info: TensorInfo | None,
+    index: dict[str, TensorInfo],
+    name: str,
     where: str,
     label: str,
-    shape: tuple[int, ...],
-    missing: str,
+    expected: Expected,
+    out_in: tuple[int, int],
     is_model_dir: bool,
 ) -> None:
+    info = index.get(name)
     if info is None:
-        raise _bad(directory, f"{where}: no {missing} in any *.safetensors file", is_model_dir)
-    if info.shape != shape or info.dtype != "BF16":
-        reason = f"{where}: {label} in {info.file} is {info.dtype} {list(info.shape)}, expected BF16 {list(shape)}"
+        raise _bad(directory, f"{where}: no {label} tensor ({name}) in any *.safetensors file", is_model_dir)
+    if info.dtype not in expected.dtypes or not expected.fits(*out_in, info.shape):
+        reason = (
+            f"{where}: {label} in {info.file} is {info.dtype} {list(info.shape)}, expected {expected.shown(*out_in)}"
+        )
         raise _bad(directory, reason, is_model_dir)
 
 
-def check_bf16_experts(
+def check_expert_tensors(
+    method: str,
     directory: str,
     layers: Sequence[int],
     num_experts: int,
@@ -120,23 +193,35 @@ def check_bf16_experts(
     *,
     is_model_dir: bool = False,
 ) -> None:
-    """Every routed expert of every MoE layer present as BF16 gate/up/down tensors of the
+    """Every routed expert of every MoE layer present in ``method``'s tensors, of the
     model's shapes: gate and up [intermediate, hidden], down [hidden, intermediate]."""
+    expected = METHOD_TENSORS[method]
     index = read_index(directory, is_model_dir=is_model_dir)
     h, i, e = hidden_size, intermediate_size, num_experts
     for layer in layers:
-        packed = _packed_experts(layer, index)
+        packed = _packed_experts(layer, index) if method == "BF16" else None
         if packed is not None:
             for name, shape in ((f"{packed}.gate_up_proj", (e, 2 * i, h)), (f"{packed}.down_proj", (e, h, i))):
-                _expect(directory, index.get(name), f"layer {layer}", name, shape, name, is_model_dir)
+                stacked = Expected("", ("BF16",), exact=lambda o, n, shape=shape: shape)
+                _check_tensor(directory, index, name, f"layer {layer}", name, stacked, (0, 0), is_model_dir)
             continue
-        shapes = ((i, h), (i, h), (h, i))
+        base, projections = _layout(layer, index, expected[0].suffix) or (
+            f"model.layers.{layer}.mlp.experts",
+            EXPERT_LAYOUTS[0][1],
+        )
         for expert in range(num_experts):
-            for shape, (projection, name) in zip(shapes, _expert_names(layer, expert, index), strict=True):
-                shown = name or f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
-                info = index.get(name) if name else None
-                where = f"layer {layer} expert {expert}"
-                _expect(directory, info, where, projection, shape, f"{projection} tensor ({shown})", is_model_dir)
+            for projection, out_in in zip(projections, ((i, h), (i, h), (h, i)), strict=True):
+                for tensor in expected:
+                    name = f"{base}.{expert}.{projection}.{tensor.suffix}"
+                    label = (
+                        projection
+                        if tensor.suffix in ("weight", expected[0].suffix)
+                        else f"{projection}.{tensor.suffix}"
+                    )
+                    if tensor.suffix == "weight_scale_inv" and name not in index:
+                        name = name.removesuffix("_inv")  # FP8 per-channel (or Mistral's block) scales
+                    where = f"layer {layer} expert {expert}"
+                    _check_tensor(directory, index, name, where, label, tensor, out_in, is_model_dir)
 
 
 def check_weight_files(
@@ -150,7 +235,9 @@ def check_weight_files(
     is_model_dir: bool = False,
 ) -> None:
     """What kt-kernel will read with ``method`` from ``directory``, checked up front."""
-    if method == "BF16":
-        check_bf16_experts(directory, layers, num_experts, hidden_size, intermediate_size, is_model_dir=is_model_dir)
+    if method in METHOD_TENSORS:
+        check_expert_tensors(
+            method, directory, layers, num_experts, hidden_size, intermediate_size, is_model_dir=is_model_dir
+        )
     else:
         read_index(directory, is_model_dir=is_model_dir)
