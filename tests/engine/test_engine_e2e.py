@@ -150,6 +150,19 @@ def test_expert_deferral_end_to_end(tiny_model) -> None:
     assert _top1_drift(deferred, exact) > 2 * _top1_drift(exact, expected)  # deferral is really on
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> None:
+    """KT_DYNAMIC_GPU_EXPERTS=1: after every forward each layer's most-picked CPU experts
+    swap with its least-picked GPU experts (weights written by kt-kernel, put through
+    vLLM's own post-processing into the GPU slot; kt-kernel's mask flipped in place). The
+    log shows swaps, and the tokens stay plain vLLM's."""
+    model = tiny_model(arch)
+    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "2", "KT_DYNAMIC_GPU_EXPERTS": "1"}
+    got, log = generate_logged(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE)
+    assert "kt-hybrid: dynamic GPU experts: model.layers." in log and "moved to the GPU" in log
+    assert token_ids(got) == token_ids(plain(model))
+
+
 # Online quantization on a model whose sizes AMXINT4 can tile (the tiny Mixtral: hidden 128,
 # expert width 256; the other tiny models' experts are 64 wide), every expert on the CPU.
 # Measured on this project's AVX-512 machine (README, *Online AMX weights*): AMXINT8 0 of 6

@@ -60,6 +60,17 @@ def test_frequency_placement_moves_hot_experts_to_the_gpu(tiny_model, tmp_path: 
         assert min(counts[e] for e in on_gpu) >= max(c for e, c in enumerate(counts) if e not in on_gpu)
     assert frequency["cpu_evaluations"] < uniform["cpu_evaluations"], (frequency, uniform)
 
+    # KT_DYNAMIC_GPU_EXPERTS=1, from the uniform start: the hot experts move to the GPU as
+    # the prompts run, so the CPU evaluates fewer of the same picks.
+    dynamic = run_profile(model, prompts, tmp_path / "dynamic.json", KT_NUM_GPU_EXPERTS="2", KT_DYNAMIC_GPU_EXPERTS="1")
+    for layer, counts in uniform["layers"].items():
+        assert sum(dynamic["layers"][layer]) == sum(counts)
+    assert dynamic["cpu_evaluations"] < uniform["cpu_evaluations"], (dynamic, uniform)
+    print(
+        f"CPU expert evaluations: uniform {uniform['cpu_evaluations']}, frequency {frequency['cpu_evaluations']}, "
+        f"dynamic {dynamic['cpu_evaluations']}"
+    )
+
 
 def test_prompt_files(tmp_path: Path) -> None:
     text = tmp_path / "p.txt"

@@ -266,3 +266,21 @@ def test_gpu_prefill_is_auto_unless_set() -> None:
     )
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64
+
+
+def test_dynamic_gpu_experts_are_validated() -> None:
+    """KT_DYNAMIC_GPU_EXPERTS: an integer >= 0; it needs CPU experts that can be written
+    back to the GPU (BF16 on kt-kernel) and leaves no room for an explicit GPU prefill."""
+    assert build({"KT_DYNAMIC_GPU_EXPERTS": "4", "KT_METHOD": "BF16"})[0].dynamic_gpu_experts == 4
+    assert build({})[0].dynamic_gpu_experts == 0
+    with pytest.raises(KTConfigError) as exc:
+        build({"KT_DYNAMIC_GPU_EXPERTS": "-1"})
+    assert_one_line_error(exc, "KT_DYNAMIC_GPU_EXPERTS", "-1")
+    with pytest.raises(KTConfigError, match="KT_GPU_PREFILL_MIN_TOKENS=2048 is set too") as exc:
+        build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_GPU_PREFILL_MIN_TOKENS": "2048"})
+    assert_one_line_error(exc, "KT_DYNAMIC_GPU_EXPERTS", "1")
+    with pytest.raises(KTConfigError, match="kt_kernel AMXINT8 CPU experts cannot move to the GPU") as exc:
+        build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_METHOD": "AMXINT8"})
+    assert_one_line_error(exc, "KT_DYNAMIC_GPU_EXPERTS", "1")
+    with pytest.raises(KTConfigError, match="torch BF16 CPU experts cannot move"):
+        build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_BACKEND": "torch"})

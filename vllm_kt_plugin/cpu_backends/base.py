@@ -112,6 +112,17 @@ class CPUExperts(ABC):
         tensors ``w13`` [n, 2I, H] (gate, then up) and ``w2`` [n, H, I]; blocks until done."""
         raise NotImplementedError(f"{type(self).__name__} cannot write its experts in the GPU layout")
 
+    @classmethod
+    def can_move_experts(cls, settings: KTSettings) -> bool:
+        """Whether experts can move between the GPU and this backend after loading
+        (KT_DYNAMIC_GPU_EXPERTS): it must write any expert in the GPU layout
+        (``write_gpu_layout``) and take a new GPU-expert mask (``set_gpu_experts``)."""
+        return False
+
+    def set_gpu_experts(self, gpu_mask: torch.Tensor) -> None:
+        """From the next forward on, skip the experts ``gpu_mask`` marks (the GPU's)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move experts")
+
     @abstractmethod
     def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         """All checkpoint tensors are in; make the experts ready to run. A non-zero

@@ -8,8 +8,8 @@ layers. While one layer computes from one buffer, the next layer's weights strea
 the other on a copy stream, so PCIe time hides behind compute wherever compute is longer.
 
 The host copy is the native method's own runtime format: each layer gets a *shadow* of
-its vLLM layer holding only the CPU experts, on the CPU, built, loaded and post-processed
-by vLLM's code (the checkpoint tensors reach it through the same expert weight loader as
+its vLLM layer (``hybrid.shadow``) holding only the CPU experts, on the CPU, built, loaded
+and post-processed by vLLM's code (the checkpoint tensors reach it through the same expert weight loader as
 the GPU experts), then pinned. Only unquantized native methods are staged for now: their
 kernels read the weights from the layer at every call, whereas quantized kernels keep
 references to their scales from setup.
@@ -17,7 +17,6 @@ references to their scales from setup.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import mmap
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.planning.placement import route_to_gpu_slots
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 
@@ -128,18 +128,7 @@ class HostExperts:
     ) -> None:
         """``pin``: page-lock the copy after loading (under CUDA), so copies run async."""
         num_experts = len(cpu_expert_ids)
-        # A shallow copy shares the layer's configuration and expert map but owns its
-        # parameters; its moe_config is copied too, since the native method sizes
-        # itself by num_local_experts.
-        shadow = copy.copy(layer)
-        shadow._parameters = {}
-        shadow._buffers = dict(layer._buffers)  # the expert map and other routing state
-        shadow._modules = {}
-        shadow.moe_config = copy.copy(layer.moe_config)
-        shadow.moe_config.num_local_experts = num_experts
-        shadow.local_num_experts = num_experts
-        self.native = make_native(shadow)
-        object.__setattr__(shadow, "quant_method", self.native)  # nn.Module would register it
+        shadow, self.native = shadow_layer(layer, num_experts, make_native)
         # The shadow picks its kernel for its own expert count: the writer's layout must
         # suit that one too.
         self.writer = writer if native_is_stageable(self.native, RAW_LAYOUT_BACKENDS) else None

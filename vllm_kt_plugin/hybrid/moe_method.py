@@ -29,6 +29,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
+from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_prefill import RAW_LAYOUT_BACKENDS, HostExperts, StagingBuffers, native_is_stageable
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
@@ -226,6 +227,14 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         # With tensor parallelism, rank 0 computes the CPU experts; vLLM's all-reduce of
         # the MoE output adds them for every rank.
         self.settings = settings
+        if settings.dynamic_gpu_experts and moe.tp_size > 1:
+            raise KTConfigError(
+                "KT_DYNAMIC_GPU_EXPERTS",
+                str(settings.dynamic_gpu_experts),
+                f"tensor parallelism splits the GPU experts over {moe.tp_size} ranks; only rank 0 holds the CPU "
+                "experts that would move",
+                "0 with --tensor-parallel-size > 1",
+            )
         self.cpu: CPUExperts | None = None
         if self.placement.num_cpu_experts and moe.tp_rank == 0:
             spec = _layer_spec(layer, prefix, self.placement, chunk)
@@ -246,8 +255,18 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 scope="process",
             )
 
+        if settings.dynamic_gpu_experts and self.cpu is not None and not native_is_stageable(self.native):
+            raise KTConfigError(
+                "KT_DYNAMIC_GPU_EXPERTS",
+                str(settings.dynamic_gpu_experts),
+                "experts move into GPU slots of unquantized experts run by vLLM's Triton (or CPU) MoE kernels; "
+                f"this layer's GPU experts run {_kernel_of(self.native)}",
+                "0 for this checkpoint",
+            )
         self.prefill_min_tokens = self._gpu_prefill_min_tokens(vllm_config, quant_config)
         self.host: HostExperts | None = None  # built in create_weights when GPU prefill is on
+        self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
+        self._create_args: dict[str, Any] = {}
         self._make_shadow_method = functools.partial(self._native_for_shadow, quant_config, prefix)
         self._next_host: HostExperts | None = None
 
@@ -273,6 +292,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         below a CUDA-graph batch size (captured batches replay the CPU path)."""
         threshold = self.settings.gpu_prefill_min_tokens
         if threshold == 0 or not self.placement.num_cpu_experts:
+            return 0
+        if threshold is None and self.settings.dynamic_gpu_experts:
+            logger.info_once(
+                "kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: KT_DYNAMIC_GPU_EXPERTS moves experts, "
+                "GPU prefill stages a fixed set"
+            )
             return 0
         if threshold is None:
             threshold = _auto_gpu_prefill_min_tokens(self.native, quant_config)
@@ -347,6 +372,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         **extra_weight_attrs: Any,
     ) -> None:
         assert num_experts == self.placement.num_gpu_experts, (num_experts, self.placement)
+        self._create_args = dict(
+            hidden_size=hidden_size,
+            intermediate_size_per_partition=intermediate_size_per_partition,
+            params_dtype=params_dtype,
+            **extra_weight_attrs,
+        )
         existing = set(layer._parameters)
         with self._native_view(layer):
             self.native.create_weights(
@@ -434,6 +465,21 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self.cpu.finalize_weights(self._deferral())
         if self.host is not None:
             self._finalize_host()
+        if self.settings.dynamic_gpu_experts and self.cpu is not None and self.placement.num_gpu_experts:
+            self.dynamic = DynamicExperts(
+                self.layer_name,
+                self.placement,
+                self.gpu_slot_of,
+                self.cpu,
+                self._make_shadow_method,
+                self._create_args,
+                self.settings.dynamic_gpu_experts,
+            )
+            logger.info_once(
+                "kt-hybrid: dynamic GPU experts: every %d-th forward outside CUDA graphs, each layer's most-picked "
+                "CPU experts swap with its least-picked GPU experts",
+                self.settings.dynamic_gpu_experts,
+            )
 
     def _finalize_host(self) -> None:
         assert self.host is not None
@@ -495,6 +541,10 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
+        if self.dynamic is not None:
+            if not _capturing():
+                self.dynamic.maybe_refresh(layer)  # before this forward's work is queued
+            self.dynamic.observe(topk_ids)
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
         if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():

@@ -126,6 +126,14 @@ class KTHybridConfig(QuantizationConfig):
         backend = backend_class(settings.backend)
         settings = settings.with_method(settings.method or backend.default_method(checkpoint))
         backend.validate(settings, checkpoint)
+        if settings.dynamic_gpu_experts and not backend.can_move_experts(settings):
+            raise KTConfigError(
+                "KT_DYNAMIC_GPU_EXPERTS",
+                str(settings.dynamic_gpu_experts),
+                f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (the backend must write "
+                "any expert in the GPU layout)",
+                "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
+            )
         return settings, backend
 
     @property

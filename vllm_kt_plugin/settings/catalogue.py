@@ -204,6 +204,13 @@ VARIABLES: tuple[Variable, ...] = (
         "the CPU experts' weights streamed in layer by layer",
     ),
     Variable(
+        "KT_DYNAMIC_GPU_EXPERTS",
+        "0 (off)",
+        "an integer >= 0; needs KT_METHOD=BF16 and one tensor-parallel rank",
+        "every N-th forward pass that runs outside CUDA graphs, each layer's most-picked CPU experts swap "
+        "places with its least-picked GPU experts (routing counted on the device, CUDA graphs included)",
+    ),
+    Variable(
         "KT_METRICS_INTERVAL",
         "0 (off)",
         "a number of seconds >= 0",

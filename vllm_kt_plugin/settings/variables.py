@@ -185,6 +185,7 @@ class KTSettings:
     expert_placement_seed: int = 0
     metrics_interval_s: float = 0.0
     gpu_prefill_min_tokens: int | None = None  # None: auto (see the catalogue); 0: off
+    dynamic_gpu_experts: int = 0  # refresh every N-th forward outside CUDA graphs; 0: static placement
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
@@ -231,6 +232,15 @@ class KTSettings:
         chunk = _int(env, "KT_CHUNKED_PREFILL_SIZE", 1)
         deferred = _int(env, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", 0) or 0
         cache_dir = _str(env, "KT_CACHE_DIR")
+        dynamic = _int(env, "KT_DYNAMIC_GPU_EXPERTS", 0) or 0
+        prefill = _int_or_auto(env, "KT_GPU_PREFILL_MIN_TOKENS", 0)
+        if dynamic and prefill:
+            raise KTConfigError(
+                "KT_DYNAMIC_GPU_EXPERTS",
+                env["KT_DYNAMIC_GPU_EXPERTS"],
+                f"KT_GPU_PREFILL_MIN_TOKENS={prefill} is set too: GPU prefill stages a fixed set of CPU experts",
+                "0, or KT_GPU_PREFILL_MIN_TOKENS unset or 0 (auto turns GPU prefill off with dynamic experts)",
+            )
 
         return cls(
             backend=backend,
@@ -250,7 +260,8 @@ class KTSettings:
             expert_profile=profile,
             expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
             metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
-            gpu_prefill_min_tokens=_int_or_auto(env, "KT_GPU_PREFILL_MIN_TOKENS", 0),
+            gpu_prefill_min_tokens=prefill,
+            dynamic_gpu_experts=dynamic,
         )._shared(share, cores=cores, numa_nodes=numa_nodes)
 
     def for_host(self, share: HostShare, *, cores: int | None = None, numa_nodes: int | None = None) -> KTSettings:

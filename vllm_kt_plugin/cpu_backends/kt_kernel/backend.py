@@ -358,6 +358,15 @@ class KTKernelExperts(CPUExperts):
     def writes_gpu_layout(self) -> bool:
         return writes_gpu_layout(self.method)
 
+    @classmethod
+    def can_move_experts(cls, settings: KTSettings) -> bool:
+        # kt-kernel keeps every expert of a layer, writes BF16 ones back, and reads its
+        # GPU-expert mask through a pointer at each forward (checked: tests).
+        return settings.method is not None and writes_gpu_layout(settings.method)
+
+    def set_gpu_experts(self, gpu_mask: torch.Tensor) -> None:
+        self.wrapper.gpu_experts_mask.copy_(gpu_mask)  # in place: kt-kernel holds its address
+
     def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
         # kt-kernel writes whole BF16 experts (its own widths, not split by tensor
         # parallelism) through raw pointers: anything else would overrun the rows.

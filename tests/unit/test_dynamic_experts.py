@@ -1,0 +1,30 @@
+"""Which experts KT_DYNAMIC_GPU_EXPERTS swaps (pure logic; the swaps themselves run end to
+end in tests/engine: test_engine_e2e.py and test_routing_profiler.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kt_plugin.hybrid.dynamic_experts import swaps
+
+
+def mask(*gpu: int, n: int = 6) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.bool)
+    m[list(gpu)] = True
+    return m
+
+
+def test_hottest_cpu_experts_replace_the_coldest_gpu_experts() -> None:
+    counts = torch.tensor([1.0, 9.0, 0.0, 7.0, 3.0, 2.0])
+    assert swaps(counts, mask(0, 2)) == [(1, 2), (3, 0)]
+
+
+def test_only_while_the_cpu_expert_was_picked_more() -> None:
+    counts = torch.tensor([5.0, 9.0, 4.0, 5.0, 0.0, 0.0])
+    assert swaps(counts, mask(0, 2)) == [(1, 2)]  # 5 (expert 3) vs 5 (expert 0): a tie stays put
+
+
+def test_nothing_moves_when_the_gpu_already_holds_the_hottest() -> None:
+    counts = torch.tensor([9.0, 8.0, 1.0, 0.0, 0.0, 0.0])
+    assert swaps(counts, mask(0, 1)) == []
+    assert swaps(counts, mask()) == [] and swaps(counts, mask(0, 1, 2, 3, 4, 5)) == []

@@ -1,0 +1,151 @@
+"""Dynamic GPU experts (KT_DYNAMIC_GPU_EXPERTS): each layer's GPU experts follow the traffic.
+
+Every forward adds the layer's expert picks to counts kept on the device (one index_add,
+captured into CUDA graphs like any kernel, so decode steps count too). Every N-th forward
+that runs outside CUDA graphs — where Python runs: every forward in eager mode and on
+vLLM's CPU build, prefills larger than the largest captured batch under CUDA graphs — the
+layer swaps its most-picked CPU experts with its least-picked GPU experts, before its own
+work of that forward is queued:
+
+- the CPU backend writes the incoming expert in the unquantized layout (kt-kernel's BF16
+  experts; it keeps every expert of the layer, so any can come in), a one-expert shadow
+  of the layer puts it through vLLM's own loader and post-processing (e.g. the CPU build's
+  prepacking), and it is copied into the outgoing expert's GPU slot, in place;
+- the slot map (on the device) and the CPU backend's GPU-expert mask (kt-kernel reads it
+  through a pointer at every forward) are updated in place.
+
+Nothing is reallocated, so captured CUDA graphs stay valid, and results do not change:
+every expert is computed exactly once per pick, on one side or the other. Counts decay by
+half at each refresh, so the placement follows recent traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kt_plugin.hybrid.shadow import shadow_layer
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.planning.placement import ExpertPlacement
+
+logger = logging.getLogger(LOGGER_NAME)
+
+DECAY = 0.5  # the counts' weight after each refresh
+_first_swap_logged = False  # the first swap of a process is logged at INFO, the rest at DEBUG
+
+
+def swaps(counts: torch.Tensor, gpu_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(CPU expert in, GPU expert out) pairs: the most-picked CPU experts against the
+    least-picked GPU experts, as long as the CPU one was picked more (ties stay put)."""
+    cpu = sorted(torch.nonzero(~gpu_mask).flatten().tolist(), key=lambda e: -float(counts[e]))
+    gpu = sorted(torch.nonzero(gpu_mask).flatten().tolist(), key=lambda e: float(counts[e]))
+    pairs = []
+    for incoming, outgoing in zip(cpu, gpu, strict=False):
+        if counts[incoming] <= counts[outgoing]:
+            break
+        pairs.append((incoming, outgoing))
+    return pairs
+
+
+class DynamicExperts:
+    """One layer's routing counts and expert swaps (see the module docstring)."""
+
+    def __init__(
+        self,
+        layer_name: str,
+        placement: ExpertPlacement,
+        gpu_slot_of: torch.Tensor,
+        cpu: CPUExperts,
+        make_native: Callable[[RoutedExperts], FusedMoEMethodBase],
+        create_args: dict[str, Any],
+        every: int,
+    ) -> None:
+        self.layer_name = layer_name
+        self.placement = placement
+        self.gpu_slot_of = gpu_slot_of  # on the device, read by the forward (and captured graphs)
+        self.slots = gpu_slot_of.cpu()  # the host's view of the same map
+        self.cpu = cpu
+        self.make_native = make_native
+        self.create_args = create_args
+        self.every = every
+        # Built after loading, inside vLLM's config context; swaps run at forward time,
+        # where vLLM's layer code (the shadow's native method) needs it set again.
+        from vllm.config import get_current_vllm_config
+
+        self.vllm_config = get_current_vllm_config()
+        self.counts = torch.zeros(placement.num_experts, dtype=torch.float32, device=gpu_slot_of.device)
+        self.forwards = 0
+        self.swapped = 0  # experts moved to the GPU so far, for the log and tests
+
+    def observe(self, topk_ids: torch.Tensor) -> None:
+        """Count this forward's picks (graph-safe: fixed shapes, no host sync)."""
+        ids = topk_ids.reshape(-1).long()
+        self.counts.index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
+
+    def maybe_refresh(self, layer: RoutedExperts) -> None:
+        """Every ``every``-th call: swap experts where the counts say so."""
+        self.forwards += 1
+        if self.forwards % self.every:
+            return
+        counts = self.counts.cpu()
+        self.counts.mul_(DECAY)
+        pairs = swaps(counts, self.placement.gpu_mask)
+        if not pairs:
+            return
+        for incoming, outgoing in pairs:
+            self._swap(layer, incoming, outgoing)
+        self.gpu_slot_of.copy_(self.slots.to(self.gpu_slot_of.device))
+        self.cpu.set_gpu_experts(self.placement.gpu_mask)
+        self.swapped += len(pairs)
+        global _first_swap_logged
+        log = logger.debug if _first_swap_logged else logger.info
+        _first_swap_logged = True
+        log(
+            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU",
+            self.layer_name,
+            [p[0] for p in pairs],
+            [p[1] for p in pairs],
+        )
+
+    def _swap(self, layer: RoutedExperts, incoming: int, outgoing: int) -> None:
+        slot = int(self.slots[outgoing])
+        for name, tensor in self._native_format(layer, incoming).items():
+            target = getattr(layer, name).data[slot]
+            if target.shape != tensor.shape[1:]:
+                raise RuntimeError(
+                    f"{self.layer_name}: expert {incoming} came out of the native post-processing as "
+                    f"{name} {list(tensor.shape[1:])}, the layer's slots are {list(target.shape)}"
+                )
+            target.copy_(tensor[0])
+        self.placement.gpu_mask[incoming] = True
+        self.placement.gpu_mask[outgoing] = False
+        self.slots[incoming] = slot
+        self.slots[outgoing] = -1
+
+    def _native_format(self, layer: RoutedExperts, expert: int) -> dict[str, torch.Tensor]:
+        """Expert ``expert`` as the layer's parameters hold one expert: written by the CPU
+        backend, then loaded and post-processed by vLLM's code on a one-expert shadow."""
+        hidden = self.create_args["hidden_size"]
+        width = self.create_args["intermediate_size_per_partition"]
+        w13 = torch.empty(1, 2 * width, hidden, dtype=torch.bfloat16)
+        w2 = torch.empty(1, hidden, width, dtype=torch.bfloat16)
+        self.cpu.write_gpu_layout([expert], w13, w2)
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.device("cpu"):
+            shadow, native = shadow_layer(layer, 1, self.make_native)
+            native.create_weights(shadow, num_experts=1, **self.create_args)
+            for shard, tensor in (("w1", w13[0, :width]), ("w3", w13[0, width:])):
+                shadow.weight_loader(shadow.w13_weight, tensor, "w13_weight", shard, 0)
+            shadow.weight_loader(shadow.w2_weight, w2[0], "w2_weight", "w2", 0)
+            native.process_weights_after_loading(shadow)
+        return {name: param.data for name, param in shadow.named_parameters(recurse=False)}
