@@ -111,11 +111,11 @@ def test_kt_kernel_reads_the_checkpoint(quantized_model, arch: str, fmt: str, me
     """kt-kernel's reader of ``method`` (half the experts masked as GPU experts) computes
     what the format defines: the routed experts' weighted sum from the dequantized tensors."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import broken_kernel, kernel_available
 
     kt_kernel = prepare_kt_kernel()
     if not kernel_available(method):
-        pytest.skip(f"this CPU's kt-kernel build has no {method} kernel")
+        pytest.skip(f"kt-kernel {broken_kernel(method) or f'on this CPU has no {method} kernel'}")
     model = quantized_model(arch, fmt)
     memory = estimate_model_memory(_config(model))
     layer = memory.moe_layers[0]

@@ -19,6 +19,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     ONLINE_ALIGNMENT,
     QUANTIZES_ONLINE,
     READS_HF_CHECKPOINT,
+    broken_kernel,
     kernel_available,
     kt_inference_methods,
     weight_files_missing,
@@ -144,7 +145,9 @@ class KTKernelExperts(CPUExperts):
             raise KTConfigError("KT_METHOD", method, "not a kt-kernel 0.7.2 inference method")
         if not kernel_available(method):
             hint = "a CPU with AVX-512 (AMX is fastest)" if method in QUANTIZES_ONLINE else "another method"
-            raise KTConfigError("KT_METHOD", method, f"this CPU / kt-kernel build has no {method} kernel; use {hint}")
+            broken = broken_kernel(method)
+            reason = f"kt-kernel {broken}" if broken else f"this CPU / kt-kernel build has no {method} kernel"
+            raise KTConfigError("KT_METHOD", method, f"{reason}; use {hint}")
         if settings.weight_path is not None:
             _check_weight_files(method, settings.weight_path, is_model_dir=False)
             return

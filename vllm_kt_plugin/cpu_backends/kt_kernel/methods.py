@@ -42,6 +42,21 @@ KERNEL_FLAGS = {
 }
 
 
+# Kernels a kt-kernel 0.7.2 CPU variant carries but that crash, refused like missing ones:
+# (variant, method) -> what happens.
+BROKEN_KERNELS = {
+    ("avx2", "RAWINT4"): "its AVX2 RAWINT4 kernel crashes the process (SIGSEGV) in its first forward, at every "
+    "shape tried (hidden 128 to 7168, groups of 32 and 128)",
+}
+
+
+def broken_kernel(method: str) -> str | None:
+    """Why the loaded kt-kernel variant's ``method`` kernel cannot be used, if it is broken."""
+    import kt_kernel
+
+    return BROKEN_KERNELS.get((str(kt_kernel.__cpu_variant__), method))
+
+
 def kt_inference_methods() -> frozenset[str]:
     prepare_kt_kernel()
     from kt_kernel.experts import INFERENCE_METHODS
@@ -61,7 +76,9 @@ def writes_gpu_layout(method: str) -> bool:
 
 
 def kernel_available(method: str) -> bool:
-    """Whether the kt-kernel build this CPU loaded carries a kernel for ``method``."""
+    """Whether the kt-kernel build this CPU loaded carries a working kernel for ``method``."""
+    if broken_kernel(method) is not None:
+        return False
     flags = KERNEL_FLAGS.get(method)
     if flags is None:
         return True
