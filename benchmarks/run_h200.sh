@@ -4,7 +4,7 @@
 # as in ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite), detached:
 #   setsid nohup bash benchmarks/run_h200.sh &
 # STAGES picks what runs (default: all, in this order); GPU_TEST_FILES and GPU_TESTS (pytest's
-# -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s).
+# -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s); LOAD_SYSTEMS the load stage's systems.
 # Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
@@ -57,7 +57,8 @@ fi
 
 if wants load; then  # every system behind `vllm serve` under `vllm bench serve`
   stage "load bench"
-  "${BENCH[@]}" --methods AMXINT4 --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
+  "${BENCH[@]}" --methods AMXINT4 --systems "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" \
+      --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
       --load-input-len 128 --load-output-len 16 \
       --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
   stage "load bench exit $?"
