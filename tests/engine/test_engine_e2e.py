@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import PROMPTS, generate, generate_logged, install_zero_backend, long_prompt
+from support.engines import PROMPTS, generate, generate_logged, install_zero_backend, long_prompt, top1_drift
 from support.hardware import requires_kernel
 
 pytestmark = pytest.mark.engine
@@ -115,17 +115,6 @@ def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path
             )
 
 
-def _top1_drift(got: list, want: list) -> float:
-    """Largest |chosen-token logprob difference| over the steps where the tokens agree."""
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
-            if a != b:
-                break
-            worst = max(worst, abs(g["top2"][step][0] - w["top2"][step][0]))
-    return worst
-
-
 # Measured on the tiny Qwen3-MoE (top-2, all experts on the CPU): without deferral the
 # chosen-token logprobs move by <= 0.0005 against plain vLLM; deferring one of the two
 # experts moved them by <= 0.01 on this machine and by 0.055 in one CI run (batches form
@@ -146,8 +135,8 @@ def test_expert_deferral_end_to_end(tiny_model) -> None:
     expected = plain(model)
     deferred, exact, expected = confident(deferred), confident(exact), confident(expected)
     assert token_ids(deferred) == token_ids(expected)
-    assert _top1_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND
-    assert _top1_drift(deferred, exact) > 2 * _top1_drift(exact, expected)  # deferral is really on
+    assert top1_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND
+    assert top1_drift(deferred, exact) > 2 * top1_drift(exact, expected)  # deferral is really on
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -183,8 +172,8 @@ def test_online_amx_accuracy_against_plain_vllm(tiny_model, tmp_path: Path) -> N
         kt = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": "0", "KT_CACHE_DIR": str(tmp_path)}
         got = hybrid(model, kt)
         differing = sum(a != b for a, b in zip(token_ids(got), token_ids(expected), strict=True))
-        drift = _top1_drift(confident(got), confident(expected))
-        long_drift = _top1_drift(got[len(PROMPTS) :], expected[len(PROMPTS) :])
+        drift = top1_drift(confident(got), confident(expected))
+        long_drift = top1_drift(got[len(PROMPTS) :], expected[len(PROMPTS) :])
         print(
             f"{method}: {differing} of {len(got)} completions differ; drift {drift:.4f} (long prompt {long_drift:.4f})"
         )

@@ -20,7 +20,7 @@ from support.hardware import requires_kernel
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.quant_config import resolve_native_method_name
-from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+from vllm_kt_plugin.planning.model_memory import estimate_model_memory, expert_shape
 from vllm_kt_plugin.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK, GPTQ_GROUP
 
 pytestmark = pytest.mark.engine  # trains two tiny models (~1 min each on 2 cores)
@@ -97,7 +97,6 @@ def test_the_plugins_file_check_accepts_the_checkpoint(quantized_model, arch: st
     """What `vllm serve` checks before kt-kernel reads (every expert's tensors, their shapes
     and dtypes) takes the layouts vLLM's and compressed-tensors' quantizers write."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
-    from vllm_kt_plugin.planning.model_memory import expert_shape
 
     model = quantized_model(arch, fmt)
     shape = expert_shape(_config(model))
@@ -117,10 +116,9 @@ def test_kt_kernel_reads_the_checkpoint(quantized_model, arch: str, fmt: str, me
     if not kernel_available(method):
         pytest.skip(f"kt-kernel {broken_kernel(method) or f'on this CPU has no {method} kernel'}")
     model = quantized_model(arch, fmt)
-    memory = estimate_model_memory(_config(model))
-    layer = memory.moe_layers[0]
-    config = _config(model)
-    hidden, width, experts = config["hidden_size"], config["moe_intermediate_size"], memory.num_experts
+    shape = expert_shape(_config(model))
+    layer = shape.moe_layers[0]
+    hidden, width, experts = shape.hidden_size, shape.intermediate_size, shape.num_experts
     gpu = torch.zeros(experts, dtype=torch.bool)
     gpu[: experts // 2] = True
     wrapper = kt_kernel.KTMoEWrapper(

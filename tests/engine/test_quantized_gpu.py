@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engines import PROMPTS, generate, generate_logged, long_prompt
+from support.engines import PROMPTS, generate, generate_logged, long_prompt, top1_drift
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,17 +38,6 @@ LLM = {"enforce_eager": True, "max_num_batched_tokens": 64}
 _plain: dict[str, list] = {}
 
 
-def drift(got: list, want: list) -> float:
-    """Largest |chosen-token logprob difference| over the steps where the tokens agree."""
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
-            if a != b:
-                break
-            worst = max(worst, abs(g["top2"][step][0] - w["top2"][step][0]))
-    return worst
-
-
 @pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
 @pytest.mark.parametrize(("arch", "fmt", "native", "method"), CHECKPOINTS, ids=[f"{c[0]}-{c[1]}" for c in CHECKPOINTS])
 def test_quantized_checkpoint_against_plain_vllm(
@@ -62,7 +51,7 @@ def test_quantized_checkpoint_against_plain_vllm(
     got, log = generate_logged(model, prompts, kt={"KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}, llm=LLM)
     assert f"GPU side: {native}, CPU side: kt_kernel {method} " in log
     differing = sum(g["ids"] != w["ids"] for g, w in zip(got, expected, strict=True))
-    worst = drift(got[: len(PROMPTS)], expected[: len(PROMPTS)])
+    worst = top1_drift(got[: len(PROMPTS)], expected[: len(PROMPTS)])
     print(f"{arch} {fmt} {placement}: {differing} of {len(got)} completions differ; drift {worst:.4f}")
     max_differing, max_drift = QUANTIZED_BOUNDS[fmt]
     assert differing <= max_differing and worst <= max_drift, (differing, worst)

@@ -83,3 +83,14 @@ def long_prompt(model: Path, tokens: int) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return tokenizer.decode(tokenizer(training_text())["input_ids"][:tokens])
+
+
+def top1_drift(got: list, want: list) -> float:
+    """Largest |chosen-token logprob difference| over the steps where the tokens agree."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
+            if a != b:
+                break
+            worst = max(worst, abs(g["top2"][step][0] - w["top2"][step][0]))
+    return worst

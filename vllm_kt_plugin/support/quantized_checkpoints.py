@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vllm_kt_plugin.planning.model_memory import moe_layer_indices
 from vllm_kt_plugin.support.tiny_models import GENERATOR_VERSION, tiny_model_dir
 
 FORMATS = ("fp8-block", "ct-int4", "gptq-int4")
@@ -64,22 +65,18 @@ def write_quantized_checkpoint(source: Path, out: Path, fmt: str) -> Path:
     (weights,) = source.glob("*.safetensors")
     tensors = load_file(weights)
     writer = {"fp8-block": _fp8_block, "ct-int4": _ct_int4, "gptq-int4": _gptq_int4}[fmt]
-    tensors, config["quantization_config"] = writer(tensors, _moe_layers(tensors))
+    tensors, config["quantization_config"] = writer(tensors, moe_layer_indices(config))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "QUANTIZED.json").write_text(json.dumps({"format": fmt, "source": source.name}))
     return out
 
 
-def _moe_layers(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return sorted({int(m.group(1)) for name in tensors if (m := _LINEAR.match(name)) and _ROUTED_EXPERT.search(name)})
-
-
 def _linear_names(tensors: dict[str, torch.Tensor], *, routed_only: bool = False) -> list[str]:
     return [name for name in tensors if _LINEAR.match(name) and (not routed_only or _ROUTED_EXPERT.search(name))]
 
 
-def _fp8_block(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[dict, dict[str, Any]]:
+def _fp8_block(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
     out = dict(tensors)
@@ -147,7 +144,7 @@ def _random_fp8(shape: tuple[int, int], generator: torch.Generator) -> torch.Ten
     return values.view(torch.float8_e4m3fn)
 
 
-def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[dict, dict[str, Any]]:
+def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from vllm.model_executor.layers.quantization.utils.quant_utils import quantize_weights
     from vllm.scalar_type import scalar_types
@@ -161,7 +158,7 @@ def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[d
         out[base + "weight_packed"] = pack_to_int32(q.t().contiguous().to(torch.int8), 4)
         out[base + "weight_scale"] = scale.t().contiguous().to(torch.bfloat16)
         out[base + "weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
-    ignored = sorted({name.removesuffix(".weight") for name in _linear_names(tensors)} - _routed(tensors))
+    ignored = [name.removesuffix(".weight") for name in _linear_names(tensors) if not _ROUTED_EXPERT.search(name)]
     config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -190,11 +187,7 @@ def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[d
     return out, config
 
 
-def _routed(tensors: dict[str, torch.Tensor]) -> set[str]:
-    return {name.removesuffix(".weight") for name in _linear_names(tensors, routed_only=True)}
-
-
-def _gptq_int4(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> tuple[dict, dict[str, Any]]:
+def _gptq_int4(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
     from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack, gptq_quantize_weights, pack_cols
     from vllm.scalar_type import scalar_types
 
