@@ -4,7 +4,8 @@
 # as in ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite), detached:
 #   setsid nohup bash benchmarks/run_h200.sh &
 # STAGES picks what runs (default: all, in this order); GPU_TEST_FILES and GPU_TESTS (pytest's
-# -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s); LOAD_SYSTEMS the load stage's systems.
+# -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s); LOAD_SYSTEMS the load stage's systems;
+# BENCH_ARGS extra arguments for every `vllm-kt bench` (e.g. "--gpu-memory-utilization 0.5").
 # Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
@@ -17,7 +18,9 @@ export PYTHONUNBUFFERED=1
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
-BENCH=(python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work)
+# shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
+BENCH=(python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work
+       ${BENCH_ARGS:-})
 
 stage "install"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/gpusite . \
@@ -66,6 +69,7 @@ fi
 if wants fp8-bench; then  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU
   stage "fp8 bench"
   "${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}" \
+      --systems "${FP8_SYSTEMS:-kt-hybrid,vllm-gpu,vllm-offload}" \
       --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json" > "$BENCH_OUT/fp8-bench.log" 2>&1
   stage "fp8 bench exit $?"
 fi

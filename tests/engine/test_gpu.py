@@ -1,15 +1,20 @@
 """kt-hybrid on a CUDA GPU: the CPU branch inside vLLM's default compilation (torch.compile
 and FULL_AND_PIECEWISE CUDA graphs) gives the tokens of eager mode and of plain vLLM.
 
+vLLM pads every batch that replays a CUDA graph to a captured size and marks the padded
+tokens' expert picks -1: the five prompts decode as a batch of 8 here.
+
 Skipped without a GPU (CI is CPU-only); run on a GPU box with
 ``python -m pytest -m gpu tests/test_gpu.py``.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from support.engines import PROMPTS, generate, generate_logged, long_prompt
+from support.engines import DEFERRAL_DRIFT_BOUND, PROMPTS, generate, generate_logged, long_prompt, top1_drift
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,6 +52,47 @@ def test_cuda_graphs_match_eager_mode(qwen3, hybrid_graphs: list) -> None:
 
 def test_cuda_graphs_match_plain_vllm(plain_graphs: list, hybrid_graphs: list) -> None:
     assert ids(hybrid_graphs) == ids(plain_graphs)
+
+
+def test_expert_deferral_inside_cuda_graphs(qwen3, plain_graphs: list) -> None:
+    """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1 at default compilation: one of each token's two
+    CPU experts is added one layer later, inside the captured graphs (kt-kernel's selection
+    used to fail on the padded picks while vLLM captured them). Tokens equal plain vLLM's,
+    chosen-token logprobs within the CPU build's DEFERRAL_DRIFT_BOUND."""
+    deferred = generate(qwen3, PROMPTS, kt={**HYBRID, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"})
+    drift = top1_drift(deferred, plain_graphs)
+    print(f"deferral inside CUDA graphs: drift {drift:.4f} against plain vLLM")
+    assert ids(deferred) == ids(plain_graphs)
+    assert drift <= DEFERRAL_DRIFT_BOUND
+
+
+def test_dynamic_gpu_experts_inside_cuda_graphs(qwen3) -> None:
+    """KT_DYNAMIC_GPU_EXPERTS=1 at default compilation, graphs captured up to 16 tokens and
+    64-token steps: decode replays count picks inside the graphs (padded ones included, once
+    a failing index), the steps that carry a chunk of the long prompt (over 16 tokens, run
+    outside the graphs) swap experts, and the tokens equal plain vLLM's on the same settings."""
+    prompts = PROMPTS + [long_prompt(qwen3, 180)]
+    llm = {"compilation_config": {"max_cudagraph_capture_size": 16}, "max_num_batched_tokens": 64}
+    expected = generate(qwen3, prompts, kt=None, llm=llm, VLLM_PLUGINS="")
+    moving, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"}, llm=llm)
+    assert "moved to the GPU" in log
+    assert ids(moving) == ids(expected)
+
+
+def test_metrics_inside_cuda_graphs(qwen3) -> None:
+    """KT_METRICS_INTERVAL at default compilation: decode replays CUDA graphs, where no
+    Python runs, yet the metrics lines count the layer forwards of the decode steps (only
+    the one prefill forward runs outside the graphs) and time their GPU side."""
+    steps = 200
+    _, log = generate_logged(qwen3, PROMPTS, kt={**HYBRID, "KT_METRICS_INTERVAL": "0.05"}, max_tokens=steps)
+    lines = [line for line in log.splitlines() if "kt-hybrid metrics:" in line]
+    assert lines, log[-3000:]
+    layers = int(re.search(r"(\d+) layers", lines[0]).group(1))
+    forwards = sum(int(re.search(r"(\d+) layer forwards", line).group(1)) for line in lines)
+    print(f"metrics inside CUDA graphs: {forwards} layer forwards reported; last line: {lines[-1]}")
+    # The reporting thread's last interval may end with the process: half the steps suffice.
+    assert forwards >= steps // 2 * layers, lines
+    assert float(re.search(r"GPU experts ([0-9.]+) ms", lines[-1]).group(1)) > 0
 
 
 def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: list) -> None:

@@ -35,6 +35,15 @@ def test_qwen3_30b_plan_holds_the_same_gpu_weight_memory() -> None:
     hybrid = runs[2]
     assert hybrid.env == {"KT_METHOD": "AMXINT4", "KT_NUM_GPU_EXPERTS": "33"}
     assert 16.5 < hybrid.gpu_weight_gb <= 17
+    assert {r.gpu_memory_utilization for r in runs} == {0.9}
+    shared = plan_runs(args("--gpu-memory-utilization", "0.5"), "/m", "dummy", sizes)
+    assert {r.gpu_memory_utilization for r in shared} == {0.5}
+    first_hybrid = plan_runs(args("--systems", "kt-hybrid,vllm-gpu"), "/m", "dummy", sizes)
+    assert [(r.system, r.method) for r in first_hybrid] == [
+        ("kt-hybrid", "AMXINT4"),
+        ("kt-hybrid", "AMXINT8"),
+        ("vllm-gpu", "bf16"),
+    ]
 
 
 def test_fp8_block_sitting_runs_every_system_on_the_fp8_checkpoint() -> None:

@@ -1,4 +1,4 @@
-"""Which experts KT_DYNAMIC_GPU_EXPERTS swaps (pure logic; the swaps themselves run end to
+"""Which experts KT_DYNAMIC_GPU_EXPERTS swaps and what it counts (pure logic; the swaps run end to
 end in tests/engine: test_engine_e2e.py and test_routing_profiler.py)."""
 
 from __future__ import annotations
@@ -28,3 +28,20 @@ def test_nothing_moves_when_the_gpu_already_holds_the_hottest() -> None:
     counts = torch.tensor([9.0, 8.0, 1.0, 0.0, 0.0, 0.0])
     assert swaps(counts, mask(0, 1)) == []
     assert swaps(counts, mask()) == [] and swaps(counts, mask(0, 1, 2, 3, 4, 5)) == []
+
+
+def test_padded_tokens_count_for_nothing() -> None:
+    """vLLM marks padded tokens' picks -1 (every CUDA-graph batch is padded): the device
+    counts and the routing recorder skip them instead of failing on the index."""
+    from types import SimpleNamespace
+
+    from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
+    from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
+
+    ids = torch.tensor([[1, 3], [3, 5], [-1, -1]], dtype=torch.int32)
+    layer = SimpleNamespace(counts=torch.zeros(6))
+    DynamicExperts.observe(layer, ids)  # type: ignore[arg-type]
+    assert layer.counts.tolist() == [0, 1, 0, 2, 0, 1]
+    recorder = RoutingRecorder()
+    recorder.record(0, ids, mask(0, 1))
+    assert recorder.counts[0].tolist() == [0, 1, 0, 2, 0, 1] and recorder.cpu_evaluations[0] == 3

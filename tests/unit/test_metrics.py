@@ -1,6 +1,9 @@
-"""The metrics summary line: which side bounds a layer follows the time it waits for the CPU."""
+"""KT_METRICS_INTERVAL: the summary line (which side bounds a layer follows the time it waits
+for the CPU), the reporting of whole forwards, and the GPU clock's kernel."""
 
 from __future__ import annotations
+
+import pytest
 
 from vllm_kt_plugin.hybrid.metrics import LayerTotals, summarize
 
@@ -20,3 +23,82 @@ def test_a_layer_that_never_waits_is_gpu_bound() -> None:
     line = summarize(hidden, 10.0)
     assert "-> GPU-bound" in line
     assert "longest wait: layer 1 (0.200 ms, 8.0 tokens/forward)" in line
+
+
+def test_a_report_never_splits_a_forward(monkeypatch) -> None:
+    """Host-timed layers (vLLM's CPU build) count once the forward's last layer is done, so
+    the reporting thread, which may read at any moment, sees whole forwards only."""
+    import torch
+
+    from vllm_kt_plugin.hybrid import metrics as module
+    from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+
+    lines: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+
+    metrics = HybridMetrics(3600.0)  # the thread sleeps; reports are called here
+    for layer in (1, 2):
+        metrics.add_layer(layer)
+    x = torch.zeros(4, 8)
+    for layer in (1, 2):
+        probe = metrics.probe(layer, x)
+        probe.submitted()
+        probe.gpu_done()
+        if layer == 1:
+            assert metrics.totals() == {}  # half a forward: nothing to report yet
+        probe.synced()
+    totals = metrics.totals()
+    assert sorted(totals) == [1, 2] and all(t.forwards == 1 and t.tokens == 4 for t in totals.values())
+    metrics.report(metrics.last_report + 1.0)
+    metrics.report(metrics.last_report + 1.0)  # nothing new: no line
+    assert len(lines) == 1 and "2 layers, 2 layer forwards" in lines[0], lines
+
+
+def test_device_clock_sums_become_totals() -> None:
+    from vllm_kt_plugin.hybrid.device_clock import ClockSums
+    from vllm_kt_plugin.hybrid.metrics import device_totals
+
+    totals = device_totals(ClockSums(gpu_ns=2_000_000, wait_ns=500_000, forwards=10, tokens=80))
+    assert totals == LayerTotals(cpu_s=0.0025, gpu_s=0.002, wait_s=0.0005, forwards=10, tokens=80)
+
+
+CLOCK_IN_INTERPRETER = """
+import itertools, json
+import numpy as np, torch
+import triton.language as tl
+import triton.language.extra.cuda as cuda
+import triton.runtime.interpreter as interpreter
+
+ticks = itertools.count(1000, 7)  # the GPU's clock, advancing 7 ns per read
+cuda.globaltimer = lambda: tl.core.tensor(
+    interpreter.TensorHandle(np.array(next(ticks), dtype=np.int64), tl.int64), tl.int64
+)
+from vllm_kt_plugin.hybrid.device_clock import DeviceClock
+
+clock = DeviceClock(torch.device("cpu"), [3, 5])
+for tokens in (16, 8):
+    for layer in (3, 5):
+        clock.before_submit(layer, tokens)
+        clock.after_gpu_experts(layer, tokens)
+        if layer == 3:
+            clock.after_gpu_experts(layer, tokens)  # a second GPU interval: 14 ns in all
+        clock.after_sync(layer, tokens)
+print(json.dumps({layer: list(sums) for layer, sums in clock.read().items()}))
+"""
+
+
+def test_device_clock_kernel_in_triton_interpreter() -> None:
+    """The clock's Triton kernel, run by Triton's interpreter with a fake %globaltimer: each
+    phase adds the time since the last stamp to its field, the sync counts the forward and
+    its tokens, and the last layer publishes the sums to the host mirror."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CLOCK_IN_INTERPRETER], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sums = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sums == {"3": [4 * 7, 2 * 7, 2, 24], "5": [2 * 7, 2 * 7, 2, 24]}

@@ -348,10 +348,15 @@ def plan_runs(
     method that reads it, from ``expert_files`` (its routed experts written on this host)."""
     total_gb = sizes.total_bytes / GIB
     n_gpu = sizes.gpu_experts_for(args.gpu_weight_gb * GIB)
-    common = {"model": model, "load_format": load_format, "decode_tokens": args.decode_tokens}
+    common = {
+        "model": model,
+        "load_format": load_format,
+        "decode_tokens": args.decode_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
     plain, own_method = CHECKPOINTS[args.checkpoint]
     runs: list[RunSpec] = []
-    systems = set(args.systems.split(","))
+    systems = {system.strip() for system in args.systems.split(",")}
     if "vllm-gpu" in systems:
         runs.append(RunSpec("vllm-gpu", plain, gpu_weight_gb=round(total_gb, 1), **common))
     if "vllm-offload" in systems:
@@ -376,4 +381,5 @@ def plan_runs(
         if args.prefill_off_check and first:
             off = {**first["env"], "KT_GPU_PREFILL_MIN_TOKENS": "0"}
             runs.append(RunSpec(**{**first, "env": off, "variant": "prefill-off"}))
-    return runs
+    order = [system.strip() for system in args.systems.split(",")]
+    return sorted(runs, key=lambda run: order.index(run.system))  # as listed: a cut sitting keeps the first

@@ -175,8 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
     parser.add_argument("--gpu-weight-gb", type=float, default=17.0, help="GPU weight memory for offload and kt-hybrid")
     parser.add_argument("--methods", default="AMXINT4,AMXINT8", help="kt-kernel methods for kt-hybrid")
-    parser.add_argument("--systems", default="vllm-gpu,vllm-offload,kt-hybrid")
+    parser.add_argument("--systems", default="vllm-gpu,vllm-offload,kt-hybrid", help="the systems, run in this order")
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="vLLM's, for every engine (lower leaves room for other processes on the GPU)",
+    )
     parser.add_argument("--cpuinfer", type=int, default=0, help="KT_CPUINFER (default: the plugin's)")
     parser.add_argument("--eager-check", action="store_true", help="also run the first method with --enforce-eager")
     parser.add_argument(

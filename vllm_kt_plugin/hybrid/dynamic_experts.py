@@ -87,9 +87,10 @@ class DynamicExperts:
         self.swapped = 0  # experts moved to the GPU so far, for the log and tests
 
     def observe(self, topk_ids: torch.Tensor) -> None:
-        """Count this forward's picks (graph-safe: fixed shapes, no host sync)."""
+        """Count this forward's picks (graph-safe: fixed shapes, no host sync). Padded
+        tokens' picks are -1 (vLLM's VLLM_MOE_SKIP_PADDING) and count for nothing."""
         ids = topk_ids.reshape(-1).long()
-        self.counts.index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
+        self.counts.index_add_(0, ids.clamp_min(0), (ids >= 0).to(torch.float32))
 
     def maybe_refresh(self, layer: RoutedExperts) -> None:
         """Every ``every``-th call: swap experts where the counts say so."""

@@ -7,28 +7,37 @@ metrics only in its multiprocess mode (``--api-server-count`` > 1, or PROMETHEUS
 set). So the numbers go to a periodic log line always, and to Prometheus counters
 (``kt_hybrid_*_seconds_total{layer=...}``) that show on ``/metrics`` in that mode.
 
-Timing: on CUDA, events on the layer's stream before submit (e0), after the GPU experts (e2)
-and after sync (e3): the GPU side takes e2 - e0 and the wait for the CPU e3 - e2. The CPU
-branch (submit to result) spans e3 - e0: the CPU experts' time when the layer waits for
-them, an upper bound when they finish under the GPU work. A layer is CPU-bound when it
-waits. Inside a CUDA-graph capture nothing is recorded (replays run no Python): measure
-decode with --enforce-eager. On the CPU platform the submit computes synchronously, so host
-clocks give the CPU experts' time itself, all of it waited for.
+Timing, per layer forward, at three points of the layer's stream — before the submit, after
+the GPU experts, after the sync: the GPU side takes the first interval and the wait for the
+CPU the second. The CPU branch (submit to result) spans both: the CPU experts' time when the
+layer waits for them, an upper bound when they finish under the GPU work. A layer is
+CPU-bound when it waits. On CUDA the points are kernels reading the GPU's clock
+(``device_clock``), so CUDA-graph replays — decode at vLLM's default settings — are timed
+too. On the CPU platform the submit computes synchronously, so host clocks give the CPU
+experts' time itself, all of it waited for. A reporting thread sums the last interval up:
+Python runs in no replay, so nothing on the forward path could.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
+if TYPE_CHECKING:
+    from vllm_kt_plugin.hybrid.device_clock import ClockSums, DeviceClock
+
 logger = logging.getLogger(LOGGER_NAME)
+
+
+MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever the interval
 
 
 @dataclass
@@ -39,94 +48,138 @@ class LayerTotals:
     forwards: int = 0
     tokens: int = 0
 
+    def __add__(self, other: LayerTotals) -> LayerTotals:
+        return LayerTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
-class _Span:
-    """One forward's marks: CUDA events, or host times on the CPU platform."""
+    def __sub__(self, other: LayerTotals) -> LayerTotals:
+        return LayerTotals(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.marks: list[Any] = []
-        self.tokens = 0
 
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+def device_totals(sums: ClockSums) -> LayerTotals:
+    """A layer's device-clock sums as totals (the CPU branch spans both intervals)."""
+    gpu, wait = sums.gpu_ns / 1e9, sums.wait_ns / 1e9
+    return LayerTotals(gpu + wait, gpu, wait, sums.forwards, sums.tokens)
 
-    def ready(self) -> bool:
-        return not self.cuda or self.marks[-1].query()
 
-    def seconds(self) -> tuple[float, float, float]:
-        """(CPU branch, GPU experts, wait for the CPU) of a span marked before submit, after
-        submit, after the GPU experts and after sync."""
-        if self.cuda:
-            e0, _, e2, e3 = self.marks
-            gpu, wait = e0.elapsed_time(e2) / 1e3, e2.elapsed_time(e3) / 1e3
-            return gpu + wait, gpu, wait
-        t0, t1, t2, t3 = self.marks  # the submit computes the CPU experts synchronously
-        return t1 - t0, t2 - t1, (t1 - t0) + (t3 - t2)
+class _DeviceProbe:
+    """One forward's points on the GPU's clock (kernels on the layer's stream)."""
+
+    def __init__(self, clock: DeviceClock, layer_idx: int, tokens: int) -> None:
+        self.clock, self.layer_idx, self.tokens = clock, layer_idx, tokens
+        clock.before_submit(layer_idx, tokens)
+
+    def submitted(self) -> None:
+        pass  # on CUDA the submit only enqueues: nothing to time
+
+    def gpu_done(self) -> None:
+        self.clock.after_gpu_experts(self.layer_idx, self.tokens)
+
+    def synced(self) -> None:
+        self.clock.after_sync(self.layer_idx, self.tokens)
+
+
+class _HostProbe:
+    """One forward's points on the host's clock (vLLM's CPU build: everything synchronous)."""
+
+    def __init__(self, metrics: HybridMetrics, layer_idx: int, tokens: int) -> None:
+        self.metrics, self.layer_idx, self.tokens = metrics, layer_idx, tokens
+        self.marks = [time.perf_counter()]
+
+    def submitted(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def gpu_done(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def synced(self) -> None:
+        t0, t1, t2 = self.marks
+        t3 = time.perf_counter()  # the submit computed the CPU experts
+        totals = LayerTotals(t1 - t0, t2 - t1, (t1 - t0) + (t3 - t2), 1, self.tokens)
+        self.metrics.add_host(self.layer_idx, totals)
 
 
 class HybridMetrics:
-    """Collects spans per layer and reports every ``interval_s`` seconds."""
+    """Per-layer times of this process's hybrid layers, reported every ``interval_s``."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.pending: list[tuple[int, _Span]] = []
-        self.window: dict[int, LayerTotals] = defaultdict(LayerTotals)
+        self.layers: list[int] = []
+        self.clock: DeviceClock | None = None
+        self._forward: dict[int, LayerTotals] = defaultdict(LayerTotals)  # host: this forward's layers
+        self._host: dict[int, LayerTotals] = defaultdict(LayerTotals)  # host: whole forwards so far
+        self._lock = threading.Lock()
+        self._reported: dict[int, LayerTotals] = {}
         self.last_report = time.monotonic()
         self._counters: dict[str, Any] | None = None
+        self._reporter: threading.Thread | None = None
 
-    def start(self, x: torch.Tensor) -> _Span | None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        span = _Span(x.is_cuda)
-        span.tokens = x.shape[0]
-        span.mark()
-        return span
+    def add_layer(self, layer_idx: int) -> None:
+        self.layers.append(layer_idx)
 
-    def finish(self, layer_idx: int, span: _Span | None) -> None:
-        if span is None:
-            return
-        span.mark()
-        self.pending.append((layer_idx, span))
-        now = time.monotonic()
-        if now - self.last_report >= self.interval_s:
-            self.report(now)
+    def probe(self, layer_idx: int, x: torch.Tensor) -> _DeviceProbe | _HostProbe | None:
+        """Before the submit: this forward's probe (None while a first forward is captured,
+        before the clock exists)."""
+        self._start_reporter()
+        if not x.is_cuda:
+            return _HostProbe(self, layer_idx, x.shape[0])
+        if self.clock is None:
+            if torch.cuda.is_current_stream_capturing():
+                return None  # its buffers must not come from a graph's memory pool
+            from vllm_kt_plugin.hybrid.device_clock import DeviceClock  # imports Triton: CUDA only
 
-    def _collect(self) -> None:
-        waiting = []
-        for layer_idx, span in self.pending:
-            if not span.ready():
-                waiting.append((layer_idx, span))
-                continue
-            cpu, gpu, wait = span.seconds()
-            totals = self.window[layer_idx]
-            totals.cpu_s += cpu
-            totals.gpu_s += gpu
-            totals.wait_s += wait
-            totals.forwards += 1
-            totals.tokens += span.tokens
-            self._count(layer_idx, cpu, gpu, wait)
-        self.pending = waiting
+            self.clock = DeviceClock(x.device, self.layers)
+        return _DeviceProbe(self.clock, layer_idx, x.shape[0])
+
+    def add_host(self, layer_idx: int, totals: LayerTotals) -> None:
+        """A host-timed layer forward; published for the report with the forward's last layer,
+        so that a report never splits a forward."""
+        self._forward[layer_idx] += totals
+        if layer_idx == max(self.layers):
+            with self._lock:
+                for layer, done in self._forward.items():
+                    self._host[layer] += done
+            self._forward.clear()
+
+    def totals(self) -> dict[int, LayerTotals]:
+        """Everything timed so far, per layer."""
+        with self._lock:
+            totals = dict(self._host)
+        if self.clock is not None:
+            for layer, sums in self.clock.read().items():
+                totals[layer] = totals.get(layer, LayerTotals()) + device_totals(sums)
+        return totals
+
+    def _start_reporter(self) -> None:
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._report_forever, name="kt-hybrid-metrics", daemon=True)
+            self._reporter.start()
+
+    def _report_forever(self) -> None:
+        while True:
+            time.sleep(max(self.interval_s, MIN_REPORT_PERIOD_S))
+            self.report(time.monotonic())
 
     def report(self, now: float) -> None:
-        self._collect()
-        if self.window:
-            logger.info("kt-hybrid metrics: %s", summarize(self.window, now - self.last_report))
-        self.window = defaultdict(LayerTotals)
+        """Log and count what the layers did since the last report."""
+        totals = self.totals()
+        window = {}
+        for layer, total in totals.items():
+            delta = total - self._reported.get(layer, LayerTotals())
+            if delta.forwards > 0:
+                window[layer] = delta
+                self._count(layer, delta)
+        self._reported = totals
+        if window:
+            logger.info("kt-hybrid metrics: %s", summarize(window, now - self.last_report))
         self.last_report = now
 
-    def _count(self, layer_idx: int, cpu: float, gpu: float, wait: float) -> None:
+    def _count(self, layer_idx: int, delta: LayerTotals) -> None:
         counters = self._counters if self._counters is not None else self._make_counters()
         layer = str(layer_idx)
-        counters["cpu"].labels(layer=layer).inc(cpu)
-        counters["gpu"].labels(layer=layer).inc(gpu)
-        counters["wait"].labels(layer=layer).inc(wait)
-        counters["forwards"].labels(layer=layer).inc()
+        counters["cpu"].labels(layer=layer).inc(delta.cpu_s)
+        counters["gpu"].labels(layer=layer).inc(delta.gpu_s)
+        counters["wait"].labels(layer=layer).inc(delta.wait_s)
+        counters["forwards"].labels(layer=layer).inc(delta.forwards)
 
     def _make_counters(self) -> dict[str, Any]:
         from prometheus_client import Counter

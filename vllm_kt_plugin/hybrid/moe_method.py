@@ -271,6 +271,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self._next_host: HostExperts | None = None
 
         self.metrics = hybrid_metrics(settings.metrics_interval_s)
+        if self.metrics is not None and self.cpu is not None:
+            self.metrics.add_layer(self.layer_idx)
         self._layer = weakref.ref(layer)
         _LAYERS[prefix] = self
         _register_hybrid_moe_op()
@@ -549,24 +551,24 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
         if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():
             return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
-        span = self.metrics.start(x) if self.metrics is not None and self.cpu is not None else None
+        probe = self.metrics.probe(self.layer_idx, x) if self.metrics is not None and self.cpu is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
         if self.cpu is not None:
             self.cpu.submit(x_cpu, topk_ids, topk_weights)
-        if span is not None:
-            span.mark()
+        if probe is not None:
+            probe.submitted()
         out = self._gpu_experts(layer, x, topk_weights, topk_ids)
         if self.cpu is None:
             return out if out is not None else torch.zeros_like(x)
-        if span is not None:
-            span.mark()
+        if probe is not None:
+            probe.gpu_done()
         cpu_out = self.cpu.sync(x_cpu).to(x.dtype)
         if cpu_out.shape[-1] != x.shape[-1]:
             cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
         result = cpu_out.clone() if out is None else out + cpu_out
-        if span is not None:
-            self.metrics.finish(self.layer_idx, span)
+        if probe is not None:
+            probe.synced()
         return result
 
     def _forward_on_gpu(

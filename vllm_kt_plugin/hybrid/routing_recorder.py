@@ -23,6 +23,7 @@ class RoutingRecorder:
 
     def record(self, layer_idx: int, topk_ids: torch.Tensor, gpu_mask: torch.Tensor) -> None:
         ids = topk_ids.reshape(-1).long().cpu()
+        ids = ids[ids >= 0]  # padded tokens' picks are -1 (vLLM's VLLM_MOE_SKIP_PADDING)
         picks = torch.bincount(ids, minlength=gpu_mask.numel())
         self.counts[layer_idx] = self.counts.get(layer_idx, torch.zeros_like(picks)) + picks
         self.cpu_evaluations[layer_idx] = self.cpu_evaluations.get(layer_idx, 0) + int(picks[~gpu_mask].sum())

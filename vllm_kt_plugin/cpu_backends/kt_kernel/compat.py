@@ -8,7 +8,14 @@
    callbacks (``submit_with_cuda_stream``), which do not exist without a GPU. That
    variable is kt-kernel's own switch to the synchronous submit/sync path.
 
-Both apply only when torch sees no accelerator; GPU hosts run kt-kernel unchanged.
+Both apply only when torch sees no accelerator.
+
+3. ``BaseMoEWrapper.select_deferred_experts`` (``KT_MAX_DEFERRED_EXPERTS_PER_TOKEN``)
+   scatters and gathers with the routed expert ids. vLLM 0.32 marks the picks of padded
+   tokens -1 (``VLLM_MOE_SKIP_PADDING``, on by default), which it pads every CUDA-graph
+   batch with: on the GPU the scatter hits a device-side "index out of bounds" assert
+   while vLLM captures its graphs. kt-kernel's forward itself skips -1 ids, so padded
+   picks are kept out of the selection and stay -1 in both halves. Applies everywhere.
 """
 
 from __future__ import annotations
@@ -58,4 +65,21 @@ def prepare_kt_kernel() -> types.ModuleType:
     if not torch.accelerator.is_available():
         experts_base.torch = _torch_without_pinning()  # type: ignore[attr-defined]
         os.environ["KT_FORCE_SYNC_SUBMIT"] = "1"
+    wrapper = experts_base.BaseMoEWrapper
+    wrapper.select_deferred_experts = _skipping_padding(wrapper.select_deferred_experts)
     return kt_kernel
+
+
+def _skipping_padding(select: Any) -> Any:
+    """``select_deferred_experts`` for ids that may be -1 (padded tokens, see 3. above):
+    kt-kernel's own selection runs with padded picks read as expert 0 (which can only keep
+    expert 0 from being deferred in that batch), then they come out -1 on both sides.
+    Graph-safe: no host sync, fixed shapes."""
+
+    @functools.wraps(select)
+    def call(self: Any, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int) -> Any:
+        padded = expert_ids < 0
+        immediate, deferred = select(self, expert_ids.clamp_min(0), expert_scores, protected_k)
+        return immediate.masked_fill(padded, -1), deferred.masked_fill(padded, -1)
+
+    return call
