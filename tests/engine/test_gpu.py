@@ -66,17 +66,14 @@ def test_expert_deferral_inside_cuda_graphs(qwen3, plain_graphs: list) -> None:
     assert drift <= DEFERRAL_DRIFT_BOUND
 
 
-def test_dynamic_gpu_experts_inside_cuda_graphs(qwen3) -> None:
-    """KT_DYNAMIC_GPU_EXPERTS=1 at default compilation, graphs captured up to 16 tokens and
-    64-token steps: decode replays count picks inside the graphs (padded ones included, once
-    a failing index), the steps that carry a chunk of the long prompt (over 16 tokens, run
-    outside the graphs) swap experts, and the tokens equal plain vLLM's on the same settings."""
-    prompts = PROMPTS + [long_prompt(qwen3, 180)]
-    llm = {"compilation_config": {"max_cudagraph_capture_size": 16}, "max_num_batched_tokens": 64}
-    expected = generate(qwen3, prompts, kt=None, llm=llm, VLLM_PLUGINS="")
-    moving, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"}, llm=llm)
-    assert "moved to the GPU" in log
-    assert ids(moving) == ids(expected)
+def test_dynamic_gpu_experts_are_refused_on_cuda(qwen3) -> None:
+    """KT_DYNAMIC_GPU_EXPERTS=1 stops the engine with its one-line error at config time: in
+    its first H200 run (graphs captured up to 16 tokens, 64-token steps, the five
+    prompts and a 180-token one) the swaps happened and the long prompt's tokens differed
+    from plain vLLM's from the first one, the short prompts' did not; the cause is open."""
+    with pytest.raises(AssertionError, match="KT_DYNAMIC_GPU_EXPERTS") as failed:
+        generate(qwen3, PROMPTS, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"})
+    assert "0 on a CUDA GPU" in str(failed.value)
 
 
 def test_metrics_inside_cuda_graphs(qwen3) -> None:
@@ -90,8 +87,10 @@ def test_metrics_inside_cuda_graphs(qwen3) -> None:
     layers = int(re.search(r"(\d+) layers", lines[0]).group(1))
     forwards = sum(int(re.search(r"(\d+) layer forwards", line).group(1)) for line in lines)
     print(f"metrics inside CUDA graphs: {forwards} layer forwards reported; last line: {lines[-1]}")
-    # The reporting thread's last interval may end with the process: half the steps suffice.
-    assert forwards >= steps // 2 * layers, lines
+    # Start-up's eager warm-ups count too: ~480 layer forwards here (FULL and PIECEWISE
+    # graphs, 1077 in all on the H200); without the replays the total stays below that plus
+    # the one prefill, with them it passes the 200 steps' 600.
+    assert forwards >= steps * layers, lines
     assert float(re.search(r"GPU experts ([0-9.]+) ms", lines[-1]).group(1)) > 0
 
 

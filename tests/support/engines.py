@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vllm_kt_plugin.support.child import ChildRun, run_child
+from vllm_kt_plugin.support.child import run_child
 from vllm_kt_plugin.support.tiny_models import chat_prompt, training_text
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
 # The share of the GPU each test engine takes (vLLM's gpu_memory_utilization, default 0.9),
-# so that test processes can run side by side on one GPU, e.g. 0.2.
+# e.g. 0.2, so that a test process fits beside another GPU process (a benchmark's server).
+# Engines must not start at the same moment: vLLM 0.32 counts what other processes allocate
+# while it profiles against its own budget ("No available memory for the cache blocks").
 GPU_SHARE_VARIABLE = "VLLM_KT_TEST_GPU_SHARE"
-PROFILING_RACE = "Error in memory profiling"
 
 # The prompts every engine comparison uses: the tiny models' training text and one chat.
 PROMPTS = [
@@ -25,13 +26,13 @@ PROMPTS = [
     chat_prompt("What is the capital of France?"),
 ]
 
-# Measured on the tiny Qwen3-MoE (top-2, all experts on the CPU): without deferral the
-# chosen-token logprobs move by <= 0.0005 against plain vLLM; deferring one of the two
-# experts moved them by <= 0.01 on an AVX-512 machine, by 0.055 in one CI run (AVX2) and by
+# Measured on the tiny Qwen3-MoE (top-2): without deferral the chosen-token logprobs move by
+# <= 0.0005 against plain vLLM; deferring one of the two experts moved them, with every
+# expert on the CPU, by <= 0.01 on an AVX-512 machine, by 0.055 in one CI run (AVX2) and by
 # 0.21 on an AMX machine (batches form differently with the machine's timing and kernels,
-# so the rounding differs), always with identical tokens. The bound leaves room above the
-# worst seen.
-DEFERRAL_DRIFT_BOUND = 0.3
+# so the rounding differs), and with 6 of 8 on the CPU inside the H200's CUDA graphs by 0.43;
+# always with identical tokens. The bound leaves room above the worst seen.
+DEFERRAL_DRIFT_BOUND = 0.5
 
 
 def install_zero_backend(root: Path) -> str:
@@ -81,19 +82,12 @@ def generate_logged(
     llm_args.update(llm or {})
     args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
 
-    def start() -> ChildRun:
-        return run_child(
-            "vllm_kt_plugin.support.greedy:greedy_completions",
-            args,
-            env=clean_env(**(kt or {}), **env),
-            timeout_s=ENGINE_TIMEOUT_S,
-        )
-
-    run = start()
-    if run.result is None and os.environ.get(GPU_SHARE_VARIABLE) and PROFILING_RACE in run.log:
-        # Another test process freed its engine's memory while this one measured its own
-        # (vLLM asserts on it): a race between processes, not a result. Once more.
-        run = start()
+    run = run_child(
+        "vllm_kt_plugin.support.greedy:greedy_completions",
+        args,
+        env=clean_env(**(kt or {}), **env),
+        timeout_s=ENGINE_TIMEOUT_S,
+    )
     if run.result is None:
         raise AssertionError(f"engine failed (exit {run.returncode}):\n{run.log[-6000:]}")
     return list(run.result), run.log

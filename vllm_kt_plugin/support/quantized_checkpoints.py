@@ -35,18 +35,20 @@ FORMATS = ("fp8-block", "ct-int4", "gptq-int4")
 FP8_BLOCK = (128, 128)
 CT_GROUP = 32
 GPTQ_GROUP = 128
+WRITER_VERSION = 2  # in the directory name with the tiny models' version: a change rewrites them
 
-# Decoder linear weights: attention, dense MLP, shared and routed experts (not routers).
-_LINEAR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(?:\w+_proj|w[123])\.weight$")
+# Decoder linear weights: attention (DeepSeek's kv_a_proj_with_mqa too), dense MLP, shared
+# and routed experts (not routers).
+_LINEAR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(?:\w+_proj(?:_with_mqa)?|w[123])\.weight$")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def quantized_model_dir(arch: str, fmt: str, root: str | Path) -> Path:
-    """``root/<arch>-<fmt>-v<GENERATOR_VERSION>``: the quantizable tiny ``arch`` model in
-    format ``fmt``, written on first use."""
+    """``root/<arch>-<fmt>-v<GENERATOR_VERSION>w<WRITER_VERSION>``: the quantizable tiny
+    ``arch`` model in format ``fmt``, written on first use."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
-    out = Path(root) / f"{arch}-{fmt}-v{GENERATOR_VERSION}"
+    out = Path(root) / f"{arch}-{fmt}-v{GENERATOR_VERSION}w{WRITER_VERSION}"
     if not (out / "QUANTIZED.json").exists():
         write_quantized_checkpoint(tiny_model_dir(arch, root, quantizable=True), out, fmt)
     return out
