@@ -5,7 +5,8 @@
 #   setsid nohup bash benchmarks/run_h200.sh &
 # STAGES picks what runs (default: all, in this order); GPU_TEST_FILES and GPU_TESTS (pytest's
 # -k filter) pick the GPU tests, GPU_TESTS_TIMEOUT caps them (s); LOAD_SYSTEMS the load stage's systems;
-# BENCH_ARGS extra arguments for every `vllm-kt bench` (e.g. "--gpu-memory-utilization 0.5").
+# BENCH_ARGS extra arguments for every `vllm-kt bench` (e.g. "--gpu-memory-utilization 0.5");
+# BENCH_VARIANTS the bench stage's extra runs of its first method (NAME:KT_A=1[,KT_B=2] each).
 # Everything goes to $BENCH_OUT; stages.log says where it is, DONE marks the end.
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
@@ -53,7 +54,10 @@ fi
 if wants bench; then
   stage "bench"
   SKIP_LAYER=(); wants layer && SKIP_LAYER=(--skip-layer)  # timed alone above
-  "${BENCH[@]}" --methods "${METHODS:-AMXINT4,AMXINT8}" --prefill-off-check "${SKIP_LAYER[@]}" \
+  VARIANTS=()  # more runs of the first method: deferral, and per-layer timings inside the graphs
+  for v in ${BENCH_VARIANTS:-defer-1:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1 defer-2:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=2 \
+             metrics:KT_METRICS_INTERVAL=2}; do VARIANTS+=(--variant "$v"); done
+  "${BENCH[@]}" --methods "${METHODS:-AMXINT4,AMXINT8}" --prefill-off-check "${VARIANTS[@]}" "${SKIP_LAYER[@]}" \
       --out "$BENCH_OUT/h200_qwen3_30b_a3b.json" > "$BENCH_OUT/bench.log" 2>&1
   stage "bench exit $?"
 fi

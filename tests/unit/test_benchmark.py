@@ -105,6 +105,55 @@ def test_prefill_off_check_and_kt_env() -> None:
     assert runs[0].max_model_len > 16384  # room for the 16,384-token prompt of prefill_long_tok_s
 
 
+def test_variants_repeat_the_first_method() -> None:
+    """--variant NAME:KT_...: one more run of the first method per variant, its settings over
+    --kt-env's, recorded under the run's env and named after the variant."""
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4,AMXINT8", "--kt-env", "KT_METRICS_INTERVAL=1"]
+    argv += [
+        "--variant",
+        "defer-1:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1",
+        "--variant",
+        "defer-2:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=2,KT_METRICS_INTERVAL=5",
+    ]
+    runs = plan_runs(args(*argv), "/m", "dummy", sizes)
+    assert [r.name for r in runs] == [
+        "kt-hybrid-amxint4",
+        "kt-hybrid-amxint8",
+        "kt-hybrid-amxint4-defer-1",
+        "kt-hybrid-amxint4-defer-2",
+    ]
+    assert runs[2].env["KT_MAX_DEFERRED_EXPERTS_PER_TOKEN"] == "1" and runs[2].env["KT_METRICS_INTERVAL"] == "1"
+    assert runs[3].env["KT_METRICS_INTERVAL"] == "5" and runs[3].method == "AMXINT4"
+    for bad in ("defer", "defer:", ":KT_X=1", "defer:VLLM_X=1"):
+        with pytest.raises(SystemExit):
+            args("--variant", bad)
+
+
 def test_kt_env_must_name_a_kt_variable() -> None:
     with pytest.raises(SystemExit):
         args("--kt-env", "VLLM_X=1")
+
+
+def test_layer_metrics_from_an_engine_log() -> None:
+    """KT_METRICS_INTERVAL's lines become per-batch layer timings in the run's JSON; windows
+    that mixed batch sizes are left out."""
+    from vllm_kt_plugin.bench.report import layer_metrics
+
+    def line(forwards: int, cpu: float, gpu: float, wait: float, tokens: float) -> str:
+        return (
+            f"(EngineCore pid=1) INFO 12-04 06:29:25 [metrics.py:173] kt-hybrid metrics: last 1 s, 48 layers, "
+            f"{forwards} layer forwards: per layer forward CPU experts (submit to result) {cpu:.3f} ms, GPU experts "
+            f"{gpu:.3f} ms, waiting on the CPU {wait:.3f} ms -> CPU-bound; longest wait: layer 3 (0.5 ms, "
+            f"{tokens:.1f} tokens/forward)"
+        )
+
+    log = "\n".join(
+        [line(100, 0.5, 0.3, 0.2, 1), line(300, 0.7, 0.3, 0.4, 1), line(50, 9, 9, 9, 7.4), line(10, 2, 1, 1, 16)]
+    )
+    metrics = layer_metrics(log)
+    assert metrics == {
+        "1": {"cpu_experts_ms": 0.65, "gpu_experts_ms": 0.3, "cpu_wait_ms": 0.35, "layer_forwards": 400, "windows": 2},
+        "16": {"cpu_experts_ms": 2.0, "gpu_experts_ms": 1.0, "cpu_wait_ms": 1.0, "layer_forwards": 10, "windows": 1},
+    }
+    assert layer_metrics("no metrics here") == {}

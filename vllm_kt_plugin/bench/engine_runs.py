@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_kt_plugin.bench.report import layer_metrics
 from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
@@ -266,6 +267,9 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
         result["cpu_offload_gb"] = spec.cpu_offload_gb
     if spec.env:
         result["env"] = spec.env
+    metrics = layer_metrics(log_text)  # with KT_METRICS_INTERVAL set (e.g. --kt-env)
+    if metrics:
+        result["layer_metrics"] = metrics
     if "decode_bs1_tok_s" not in result:
         result["error"] = f"exit {run.returncode}: " + " | ".join(log_text.strip().splitlines()[-5:])[-1500:]
     print(f"[bench] {spec.name}: done in {time.perf_counter() - started:.0f} s: {_summary(result)}", flush=True)
@@ -309,6 +313,7 @@ def host_info() -> dict[str, Any]:
 # --checkpoint: the format every system's checkpoint has; the name plain vLLM's runs
 # carry, and the kt-kernel method that reads its experts.
 CHECKPOINTS = {"bf16": ("bf16", None), "fp8-block": ("fp8", "FP8")}
+PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-off-check
 
 
 def shape_config(shape: str, checkpoint: str = "bf16", layers: int = 0) -> dict[str, Any]:
@@ -378,8 +383,10 @@ def plan_runs(
         first = asdict(runs[-len(methods)]) if methods else None
         if args.eager_check and first:
             runs.append(RunSpec(**{**first, "enforce_eager": True}))
-        if args.prefill_off_check and first:
-            off = {**first["env"], "KT_GPU_PREFILL_MIN_TOKENS": "0"}
-            runs.append(RunSpec(**{**first, "env": off, "variant": "prefill-off"}))
+        variants = list(args.variant)
+        if args.prefill_off_check:
+            variants.insert(0, PREFILL_OFF)
+        for name, settings in variants if first else ():
+            runs.append(RunSpec(**{**first, "env": {**first["env"], **settings}, "variant": name}))
     order = [system.strip() for system in args.systems.split(",")]
     return sorted(runs, key=lambda run: order.index(run.system))  # as listed: a cut sitting keeps the first

@@ -67,3 +67,37 @@ def save(report: dict[str, Any], out: Path) -> None:
     out.write_text(json.dumps(report, indent=2) + "\n")
     if report["runs"]:
         write_chart(report, out.with_suffix(".png"))
+
+
+METRICS_LINE = re.compile(
+    r"kt-hybrid metrics: .*?(\d+) layer forwards: per layer forward CPU experts \(submit to result\) ([\d.]+) ms, "
+    r"GPU experts ([\d.]+) ms, waiting on the CPU ([\d.]+) ms .*?, ([\d.]+) tokens/forward\)"
+)
+
+
+def layer_metrics(log_text: str) -> dict[str, dict[str, float]]:
+    """KT_METRICS_INTERVAL's lines in an engine log, by batch: the per-layer-forward CPU
+    experts / GPU experts / wait times of the windows that held one batch size only (a whole
+    number of tokens per forward: decode at batch 1 or 16 inside CUDA graphs), weighted by
+    their forwards. Where decode time goes, per layer, at default settings."""
+    sums: dict[str, list[float]] = {}
+    for forwards, cpu, gpu, wait, tokens in METRICS_LINE.findall(log_text):
+        if float(tokens) != int(float(tokens)):
+            continue  # a window that mixed batch sizes
+        n = int(forwards)
+        acc = sums.setdefault(str(int(float(tokens))), [0.0, 0.0, 0.0, 0, 0])
+        acc[0] += n * float(cpu)
+        acc[1] += n * float(gpu)
+        acc[2] += n * float(wait)
+        acc[3] += n
+        acc[4] += 1
+    return {
+        batch: {
+            "cpu_experts_ms": round(cpu / n, 4),
+            "gpu_experts_ms": round(gpu / n, 4),
+            "cpu_wait_ms": round(wait / n, 4),
+            "layer_forwards": int(n),
+            "windows": int(windows),
+        }
+        for batch, (cpu, gpu, wait, n, windows) in sorted(sums.items(), key=lambda item: int(item[0]))
+    }

@@ -162,6 +162,16 @@ def _env_pair(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    name, sep, settings = text.partition(":")
+    pairs = [_env_pair(pair) for pair in settings.split(",") if pair] if sep else []
+    if not name or not pairs:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME:KT_A=1[,KT_B=2], e.g. defer-1:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1"
+        )
+    return name, dict(pairs)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES), help="built-in model shape")
     parser.add_argument(
@@ -188,7 +198,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-off-check",
         action="store_true",
-        help="also run the first method with KT_GPU_PREFILL_MIN_TOKENS=0 (GPU prefill off)",
+        help="also run the first method with KT_GPU_PREFILL_MIN_TOKENS=0 (GPU prefill off): the variant "
+        "prefill-off:KT_GPU_PREFILL_MIN_TOKENS=0",
+    )
+    parser.add_argument(
+        "--variant",
+        type=_variant,
+        action="append",
+        default=[],
+        metavar="NAME:KT_A=1[,KT_B=2]",
+        help="also run the first method with these KT_* settings, as run NAME (repeatable)",
     )
     parser.add_argument(
         "--kt-env",
