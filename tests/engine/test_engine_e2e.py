@@ -9,6 +9,7 @@ import pytest
 from support.engines import (
     DEFERRAL_DRIFT_BOUND,
     PROMPTS,
+    assert_same_greedy_tokens,
     generate,
     generate_logged,
     install_zero_backend,
@@ -75,14 +76,14 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
     got, log = generate_logged(
         model, prompts_for(model), kt={**kt, **(GPU_PREFILL if prefill else {})}, max_tokens=MAX_TOKENS, llm=ENGINE
     )
-    assert token_ids(got) == token_ids(expected)
+    assert_same_greedy_tokens(got, expected)
     assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
 
 
 def test_torch_backend_tokens_equal_plain_vllm(tiny_model) -> None:
     model = tiny_model("qwen3_moe")
     got = hybrid(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"})
-    assert token_ids(got) == token_ids(plain(model))
+    assert_same_greedy_tokens(got, plain(model))
 
 
 def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path) -> None:
@@ -93,6 +94,8 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
     got = hybrid(model, {"KT_BACKEND": "zeros", "KT_NUM_GPU_EXPERTS": "4"}, PYTHONPATH=install_zero_backend(tmp_path))
     differing = [g != e for g, e in zip(token_ids(got), token_ids(plain(model)), strict=True)]
     assert sum(differing) >= 2, differing
+    with pytest.raises(AssertionError, match="parts at step"):
+        assert_same_greedy_tokens(got, plain(model))
 
 
 @requires_kernel("AMXINT8")
@@ -149,7 +152,7 @@ def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> No
     kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "2", "KT_DYNAMIC_GPU_EXPERTS": "1"}
     got, log = generate_logged(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE)
     assert "kt-hybrid: dynamic GPU experts: model.layers." in log and "moved to the GPU" in log
-    assert token_ids(got) == token_ids(plain(model))
+    assert_same_greedy_tokens(got, plain(model))
 
 
 # Online quantization on a model whose sizes AMXINT4 can tile (the tiny Mixtral: hidden 128,

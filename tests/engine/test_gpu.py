@@ -14,7 +14,15 @@ import re
 
 import pytest
 import torch
-from support.engines import DEFERRAL_DRIFT_BOUND, PROMPTS, generate, generate_logged, long_prompt, top1_drift
+from support.engines import (
+    DEFERRAL_DRIFT_BOUND,
+    PROMPTS,
+    assert_same_greedy_tokens,
+    generate,
+    generate_logged,
+    long_prompt,
+    top1_drift,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +59,7 @@ def test_cuda_graphs_match_eager_mode(qwen3, hybrid_graphs: list) -> None:
 
 
 def test_cuda_graphs_match_plain_vllm(plain_graphs: list, hybrid_graphs: list) -> None:
-    assert ids(hybrid_graphs) == ids(plain_graphs)
+    assert_same_greedy_tokens(hybrid_graphs, plain_graphs)
 
 
 def test_expert_deferral_inside_cuda_graphs(qwen3, plain_graphs: list) -> None:
@@ -62,18 +70,22 @@ def test_expert_deferral_inside_cuda_graphs(qwen3, plain_graphs: list) -> None:
     deferred = generate(qwen3, PROMPTS, kt={**HYBRID, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"})
     drift = top1_drift(deferred, plain_graphs)
     print(f"deferral inside CUDA graphs: drift {drift:.4f} against plain vLLM")
-    assert ids(deferred) == ids(plain_graphs)
+    assert_same_greedy_tokens(deferred, plain_graphs)
     assert drift <= DEFERRAL_DRIFT_BOUND
 
 
-def test_dynamic_gpu_experts_are_refused_on_cuda(qwen3) -> None:
-    """KT_DYNAMIC_GPU_EXPERTS=1 stops the engine with its one-line error at config time: in
-    its first H200 run (graphs captured up to 16 tokens, 64-token steps, the five
-    prompts and a 180-token one) the swaps happened and the long prompt's tokens differed
-    from plain vLLM's from the first one, the short prompts' did not; the cause is open."""
-    with pytest.raises(AssertionError, match="KT_DYNAMIC_GPU_EXPERTS") as failed:
-        generate(qwen3, PROMPTS, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"})
-    assert "0 on a CUDA GPU" in str(failed.value)
+def test_dynamic_gpu_experts_inside_cuda_graphs(qwen3) -> None:
+    """KT_DYNAMIC_GPU_EXPERTS=1 at default compilation, graphs captured up to 16 tokens and
+    64-token steps: decode replays count picks inside the graphs (padded ones included, once
+    a failing index), the steps that carry a chunk of the long prompt (over 16 tokens, run
+    outside the graphs) swap experts, and the tokens are plain vLLM's on the same settings (up
+    to a tie of plain vLLM's own: the long prompt opens on one)."""
+    prompts = PROMPTS + [long_prompt(qwen3, 180)]
+    llm = {"compilation_config": {"max_cudagraph_capture_size": 16}, "max_num_batched_tokens": 64}
+    expected = generate(qwen3, prompts, kt=None, llm=llm, VLLM_PLUGINS="")
+    moving, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"}, llm=llm)
+    assert "moved to the GPU" in log
+    assert_same_greedy_tokens(moving, expected)
 
 
 def test_metrics_inside_cuda_graphs(qwen3) -> None:

@@ -83,19 +83,3 @@ def test_unquantized_checkpoint(vllm_layer_context) -> None:
     moe = build_moe(config).routed_experts
     assert isinstance(moe.quant_method.native, UnquantizedFusedMoEMethod)
     assert torch.bfloat16 in config.get_supported_act_dtypes()
-
-
-def test_dynamic_gpu_experts_are_refused_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KT_DYNAMIC_GPU_EXPERTS gave other tokens than plain vLLM in its first H200 test: on
-    CUDA it is refused at config time, before any weight loads; vLLM's CPU build runs it."""
-    from vllm_kt_plugin.hybrid import quant_config
-    from vllm_kt_plugin.settings.loader import load_settings
-
-    settings = load_settings({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_METHOD": "BF16"}, cores=4)
-    monkeypatch.setattr(quant_config, "_on_cuda", lambda: True)
-    with pytest.raises(KTConfigError) as exc:
-        KTHybridConfig(settings=settings)
-    message = str(exc.value)
-    assert "KT_DYNAMIC_GPU_EXPERTS" in message and "'1'" in message and "0 on a CUDA GPU" in message, message
-    monkeypatch.setattr(quant_config, "_on_cuda", lambda: False)
-    assert KTHybridConfig(settings=settings).settings.dynamic_gpu_experts == 1

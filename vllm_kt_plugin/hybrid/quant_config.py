@@ -82,12 +82,6 @@ def _logged_config_errors() -> Iterator[None]:
         raise
 
 
-def _on_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda_alike()
-
-
 class KTHybridConfig(QuantizationConfig):
     """Wraps the checkpoint's quantization config (``native``; None if unquantized).
 
@@ -139,14 +133,6 @@ class KTHybridConfig(QuantizationConfig):
                 f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (the backend must write "
                 "any expert in the GPU layout)",
                 "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
-            )
-        if settings.dynamic_gpu_experts and _on_cuda():
-            raise KTConfigError(
-                "KT_DYNAMIC_GPU_EXPERTS",
-                str(settings.dynamic_gpu_experts),
-                "on CUDA GPUs it gave other tokens than plain vLLM in its first GPU test (a prompt prefilled in "
-                "chunks while experts moved), a cause not found yet; it runs on vLLM's CPU build only",
-                "0 on a CUDA GPU",
             )
         return settings, backend
 

@@ -1,4 +1,4 @@
-"""Greedy completions from a fresh vLLM engine, with the top-2 logprobs of every step:
+"""Greedy completions from a fresh vLLM engine, with the top-2 tokens and logprobs of every step:
 what the end-to-end tests compare between kt-hybrid and plain vLLM. Runs in a child
 process (``support.child``); KT_* settings come from its environment."""
 
@@ -15,6 +15,8 @@ def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dic
     results = []
     for output in engine.generate(prompts, params):
         completion = output.outputs[0]
-        top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in completion.logprobs]
-        results.append({"ids": list(completion.token_ids), "top2": top2, "text": completion.text})
+        steps = [sorted(step.items(), key=lambda item: -item[1].logprob)[:2] for step in completion.logprobs]
+        top2 = [[lp.logprob for _, lp in step] for step in steps]
+        top2_ids = [[token for token, _ in step] for step in steps]
+        results.append({"ids": list(completion.token_ids), "top2": top2, "top2_ids": top2_ids, "text": completion.text})
     return results
