@@ -26,13 +26,13 @@ PROMPTS = [
     chat_prompt("What is the capital of France?"),
 ]
 
-# Measured on the tiny Qwen3-MoE (top-2): without deferral the chosen-token logprobs move by
-# <= 0.0005 against plain vLLM; deferring one of the two experts moved them, with every
-# expert on the CPU, by <= 0.01 on an AVX-512 machine, by 0.055 in one CI run (AVX2) and by
-# 0.21 on an AMX machine (batches form differently with the machine's timing and kernels,
-# so the rounding differs), and with 6 of 8 on the CPU inside the H200's CUDA graphs by 0.43;
-# always with identical tokens. The bound leaves room above the worst seen.
-DEFERRAL_DRIFT_BOUND = 0.5
+# Measured on vLLM's CPU build, tiny Qwen3-MoE (top-2), every expert on the CPU: without
+# deferral the chosen-token logprobs move by <= 0.0005 against plain vLLM; deferring one of
+# the two experts moved them by <= 0.01 on an AVX-512 machine, by 0.055 in one CI run (AVX2)
+# and by 0.21 on an AMX machine (batches form differently with the machine's timing and
+# kernels, so the rounding differs), always with identical tokens. The bound leaves room
+# above the worst seen; the GPU test states its own.
+DEFERRAL_DRIFT_BOUND = 0.3
 
 
 def install_zero_backend(root: Path) -> str:
@@ -120,14 +120,16 @@ TIE_GAP = 0.05
 
 def assert_same_greedy_tokens(got: list, want: list) -> None:
     """Greedy tokens equal, completion by completion, up to a step where ``want``'s own top
-    two were tied (within TIE_GAP) and ``got`` took the runner-up: past it the texts part,
-    and there is nothing left to compare."""
+    two were tied (within TIE_GAP), ``got`` took the runner-up and its own top logprob stays
+    within TIE_GAP of ``want``'s (the same distribution, rounded otherwise): past it the texts
+    part, and there is nothing left to compare."""
     for index, (g, w) in enumerate(zip(got, want, strict=True)):
         for step, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)):
             if a == b:
                 continue
             first, second = w["top2"][step]
-            tied = first - second <= TIE_GAP and a == w["top2_ids"][step][1]
+            same_top = abs(g["top2"][step][0] - first) <= TIE_GAP
+            tied = first - second <= TIE_GAP and a == w["top2_ids"][step][1] and same_top
             assert tied, (
                 f"completion {index} parts at step {step}: {a} instead of {b} "
                 f"(reference top two {w['top2_ids'][step]} at {first:.3f} / {second:.3f})"

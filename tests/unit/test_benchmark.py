@@ -157,3 +157,18 @@ def test_layer_metrics_from_an_engine_log() -> None:
         "16": {"cpu_experts_ms": 2.0, "gpu_experts_ms": 1.0, "cpu_wait_ms": 1.0, "layer_forwards": 10, "windows": 1},
     }
     assert layer_metrics("no metrics here") == {}
+
+
+def test_variant_runs_are_not_the_best_hybrid_and_names_are_unique() -> None:
+    """The layer benchmark and the headline figures follow the best *plain* run of a method,
+    never a variant (e.g. deferral, which changes the numbers); a variant name comes once."""
+    from vllm_kt_plugin.bench.report import best_hybrid
+
+    runs = [
+        {"system": "kt-hybrid", "method": "AMXINT4", "decode_bs1_tok_s": 40.0},
+        {"system": "kt-hybrid", "method": "AMXINT4", "variant": "defer-1", "decode_bs1_tok_s": 50.0},
+    ]
+    assert best_hybrid(runs) is runs[0]
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    with pytest.raises(SystemExit):
+        plan_runs(args("--prefill-off-check", "--variant", "prefill-off:KT_METRICS_INTERVAL=1"), "/m", "dummy", sizes)

@@ -386,6 +386,9 @@ def plan_runs(
         variants = list(args.variant)
         if args.prefill_off_check:
             variants.insert(0, PREFILL_OFF)
+        names = [name for name, _ in variants]
+        if len(set(names)) < len(names):
+            raise SystemExit(f"--variant: each name once (their logs and JSON entries go by it), got {names}")
         for name, settings in variants if first else ():
             runs.append(RunSpec(**{**first, "env": {**first["env"], **settings}, "variant": name}))
     order = [system.strip() for system in args.systems.split(",")]

@@ -50,7 +50,11 @@ def _color(system: str) -> str:
 
 
 def best_hybrid(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    ok = [r for r in runs if r["system"] == "kt-hybrid" and "error" not in r and not r.get("enforce_eager")]
+    ok = [
+        r
+        for r in runs
+        if r["system"] == "kt-hybrid" and "error" not in r and not r.get("enforce_eager") and not r.get("variant")
+    ]
     return max(ok, key=lambda r: r["decode_bs1_tok_s"], default=None)
 
 
@@ -77,9 +81,10 @@ METRICS_LINE = re.compile(
 
 def layer_metrics(log_text: str) -> dict[str, dict[str, float]]:
     """KT_METRICS_INTERVAL's lines in an engine log, by batch: the per-layer-forward CPU
-    experts / GPU experts / wait times of the windows that held one batch size only (a whole
-    number of tokens per forward: decode at batch 1 or 16 inside CUDA graphs), weighted by
-    their forwards. Where decode time goes, per layer, at default settings."""
+    experts / GPU experts / wait times of the windows whose mean tokens per forward is a whole
+    number — decode at batch 1 or 16 inside CUDA graphs; a window that mixed sizes into a whole
+    mean would count too (rare: the lines carry no minimum or maximum) — weighted by their
+    forwards. Where decode time goes, per layer, at default settings."""
     sums: dict[str, list[float]] = {}
     for forwards, cpu, gpu, wait, tokens in METRICS_LINE.findall(log_text):
         if float(tokens) != int(float(tokens)):

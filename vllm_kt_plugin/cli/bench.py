@@ -92,7 +92,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
 def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
     """For a quantized --checkpoint of a built-in shape: its routed experts, written once
     beside the model dir for kt-kernel to read (vLLM's systems run dummy weights)."""
-    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in args.systems.split(","):
+    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in {s.strip() for s in args.systems.split(",")}:
         return None
     out = Path(f"{model}-experts")
     print(f"[bench] block-FP8 routed experts for kt-kernel: {out} (written once)", flush=True)
@@ -185,7 +185,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
     parser.add_argument("--gpu-weight-gb", type=float, default=17.0, help="GPU weight memory for offload and kt-hybrid")
     parser.add_argument("--methods", default="AMXINT4,AMXINT8", help="kt-kernel methods for kt-hybrid")
-    parser.add_argument("--systems", default="vllm-gpu,vllm-offload,kt-hybrid", help="the systems, run in this order")
+    parser.add_argument(
+        "--systems",
+        default="vllm-gpu,vllm-offload,kt-hybrid",
+        help="the systems, run in this order (a --load sitting runs vllm-offload last, it is slowest)",
+    )
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -245,4 +249,5 @@ def run(args: argparse.Namespace) -> int:
     if args.layer_only:
         return 0 if "error" not in report["layer_benchmark"] else 1
     runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own
-    return 0 if runs and all("error" not in r for r in runs) else 1
+    failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
+    return 0 if runs and not failed else 1

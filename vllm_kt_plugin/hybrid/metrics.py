@@ -157,7 +157,10 @@ class HybridMetrics:
     def _report_forever(self) -> None:
         while True:
             time.sleep(max(self.interval_s, MIN_REPORT_PERIOD_S))
-            self.report(time.monotonic())
+            try:
+                self.report(time.monotonic())
+            except Exception:  # a failed report (logging, Prometheus) must not end the reporting
+                logger.exception("kt-hybrid: metrics report failed")
 
     def report(self, now: float) -> None:
         """Log and count what the layers did since the last report."""
