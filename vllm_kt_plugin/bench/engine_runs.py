@@ -346,6 +346,11 @@ def prepare_model(args: argparse.Namespace, workdir: Path) -> tuple[str, str, di
     return str(model_dir), "dummy", hf_config
 
 
+def system_order(args: argparse.Namespace) -> list[str]:
+    """--systems, as listed (the order the runs go in)."""
+    return [system.strip() for system in args.systems.split(",")]
+
+
 def plan_runs(
     args: argparse.Namespace, model: str, load_format: str, sizes: ModelSizes, expert_files: str | None = None
 ) -> list[RunSpec]:
@@ -361,7 +366,8 @@ def plan_runs(
     }
     plain, own_method = CHECKPOINTS[args.checkpoint]
     runs: list[RunSpec] = []
-    systems = {system.strip() for system in args.systems.split(",")}
+    order = system_order(args)
+    systems = set(order)
     if "vllm-gpu" in systems:
         runs.append(RunSpec("vllm-gpu", plain, gpu_weight_gb=round(total_gb, 1), **common))
     if "vllm-offload" in systems:
@@ -391,5 +397,4 @@ def plan_runs(
             raise SystemExit(f"--variant: each name once (their logs and JSON entries go by it), got {names}")
         for name, settings in variants if first else ():
             runs.append(RunSpec(**{**first, "env": {**first["env"], **settings}, "variant": name}))
-    order = [system.strip() for system in args.systems.split(",")]
     return sorted(runs, key=lambda run: order.index(run.system))  # as listed: a cut sitting keeps the first

@@ -26,6 +26,7 @@ from vllm_kt_plugin.bench.engine_runs import (
     plan_runs,
     prepare_model,
     run_in_child,
+    system_order,
 )
 from vllm_kt_plugin.bench.layer_timing import layer_in_child
 from vllm_kt_plugin.bench.load_runs import load_run
@@ -92,7 +93,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
 def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
     """For a quantized --checkpoint of a built-in shape: its routed experts, written once
     beside the model dir for kt-kernel to read (vLLM's systems run dummy weights)."""
-    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in {s.strip() for s in args.systems.split(",")}:
+    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in system_order(args):
         return None
     out = Path(f"{model}-experts")
     print(f"[bench] block-FP8 routed experts for kt-kernel: {out} (written once)", flush=True)
