@@ -172,3 +172,64 @@ def test_variant_runs_are_not_the_best_hybrid_and_names_are_unique() -> None:
     sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
     with pytest.raises(SystemExit):
         plan_runs(args("--prefill-off-check", "--variant", "prefill-off:KT_METRICS_INTERVAL=1"), "/m", "dummy", sizes)
+
+
+def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
+    """--append puts an earlier invocation's runs first and keeps both commands; a JSON of
+    another shape, checkpoint or GPU weight target is refused."""
+    from vllm_kt_plugin.cli.bench import continue_sitting
+
+    out = tmp_path / "fp8.json"
+    earlier = {"model": "qwen3-30b-a3b", "load_format": "dummy", "target_gpu_weight_gb": 5.0}
+    earlier |= {"checkpoint": "fp8-block", "layers": 24, "command": "vllm-kt bench --systems vllm-gpu"}
+    out.write_text(json.dumps({**earlier, "runs": [{"system": "vllm-gpu"}]}))
+    report = {**earlier, "command": "vllm-kt bench --systems kt-hybrid --append", "runs": []}
+    continue_sitting(report, out)
+    assert report["runs"] == [{"system": "vllm-gpu"}] and "command" not in report
+    assert report["commands"] == ["vllm-kt bench --systems vllm-gpu", "vllm-kt bench --systems kt-hybrid --append"]
+    with pytest.raises(SystemExit, match="layers 24 != 48"):
+        continue_sitting({**report, "layers": 48}, out)
+    continue_sitting(fresh := {**earlier, "runs": []}, tmp_path / "none.json")  # nothing to continue
+    assert fresh["runs"] == [] and "commands" not in fresh
+
+
+def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
+    """--prepare-only fills KT_CACHE_DIR with the random AMX experts an engine start would
+    quantize, in the folder that start reads (once: a second call finds them cached)."""
+    from vllm_kt_plugin.bench.engine_runs import RunSpec
+    from vllm_kt_plugin.bench.prepare import fill_online_cache
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+    from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder, layer_is_cached
+
+    if not kernel_available("AMXINT8"):
+        pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
+    hf_config = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2, "num_experts": 4, "hidden_size": 128}
+    hf_config |= {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
+    env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER_THREADS": "2"}
+    spec = RunSpec("kt-hybrid", "AMXINT8", model=str(tmp_path / "model"), load_format="dummy", gpu_weight_gb=1, env=env)
+    assert fill_online_cache(spec, hf_config) == 2
+    folder = cache_folder(
+        env["KT_CACHE_DIR"], model=spec.model, model_dir=None, method="AMXINT8", pools=1, shape=(4, 128, 64)
+    )
+    assert all(layer_is_cached(folder, layer, 4) for layer in (0, 1))
+    assert fill_online_cache(spec, hf_config) == 0
+    plain = RunSpec("vllm-gpu", "bf16", model=spec.model, load_format="dummy", gpu_weight_gb=1)
+    assert fill_online_cache(plain, hf_config) == 0
+
+
+def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_KT_ENGINE_START_LOCK: while one process starts its engine, another's start waits
+    (flock, as a second process would see it); unset, nothing is locked."""
+    import fcntl
+
+    from vllm_kt_plugin.support.engine_lock import LOCK_VARIABLE, engine_start_lock
+
+    lock = tmp_path / "engine-start.lock"
+    monkeypatch.delenv(LOCK_VARIABLE, raising=False)
+    with engine_start_lock():
+        assert not lock.exists()
+    monkeypatch.setenv(LOCK_VARIABLE, str(lock))
+    with engine_start_lock(), open(lock) as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again

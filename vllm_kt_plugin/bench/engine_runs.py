@@ -29,6 +29,7 @@ from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.support.child import run_child
+from vllm_kt_plugin.support.engine_lock import engine_start_lock
 from vllm_kt_plugin.support.tiny_models import write_numbered_tokenizer
 
 # Each decode figure is the median of this many measurements (AMXINT4 at batch 1 has
@@ -170,20 +171,21 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         extra["quantization"] = "kt-hybrid"
     if spec.cpu_offload_gb:
         extra["cpu_offload_gb"] = spec.cpu_offload_gb
-    started = time.perf_counter()
-    llm = LLM(
-        model=spec.model,
-        load_format=spec.load_format,
-        skip_tokenizer_init=True,
-        max_model_len=min(spec.max_model_len, _max_positions(spec.model)),
-        max_num_seqs=16,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=spec.gpu_memory_utilization,
-        enforce_eager=spec.enforce_eager,
-        seed=0,
-        **extra,
-    )
-    startup_s = time.perf_counter() - started
+    with engine_start_lock():  # beside other engines on this GPU (e.g. GPU tests) on purpose
+        started = time.perf_counter()  # not counting the wait for the lock
+        llm = LLM(
+            model=spec.model,
+            load_format=spec.load_format,
+            skip_tokenizer_init=True,
+            max_model_len=min(spec.max_model_len, _max_positions(spec.model)),
+            max_num_seqs=16,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            enforce_eager=spec.enforce_eager,
+            seed=0,
+            **extra,
+        )
+        startup_s = time.perf_counter() - started
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prefill_len = min(1024, llm.llm_engine.model_config.max_model_len - 2)
 

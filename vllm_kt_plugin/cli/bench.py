@@ -62,6 +62,10 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         "layers": hf_config["num_hidden_layers"],
         "runs": [],
     }
+    if args.append:
+        continue_sitting(report, Path(args.out))
+    if args.prepare_only:
+        return prepare_runs(runs, hf_config, report)
     if args.load:
         return run_load(args, runs, report, log_dir)
     if args.layer_only:
@@ -87,6 +91,35 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
             report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
     save(report, args.out)
+    return report
+
+
+# What must agree for runs of two invocations to share one JSON.
+SITTING_KEYS = ("model", "load_format", "target_gpu_weight_gb", "checkpoint", "layers")
+
+
+def continue_sitting(report: dict[str, Any], out: Path) -> None:
+    """--append: ``out``'s runs come first in ``report`` (e.g. plain vLLM's, measured while
+    the GPU tests ran, then kt-hybrid's alone), and both commands are kept."""
+    if not out.exists():
+        return
+    earlier = json.loads(out.read_text())
+    differ = [
+        f"{key} {earlier.get(key)!r} != {report[key]!r}" for key in SITTING_KEYS if earlier.get(key) != report[key]
+    ]
+    if differ:
+        raise SystemExit(f"--append: {out} holds another sitting's runs ({'; '.join(differ)})")
+    report["runs"] = earlier["runs"]
+    report["commands"] = earlier.get("commands", [earlier["command"]]) + [report.pop("command")]
+
+
+def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """--prepare-only: the kt-hybrid runs' online-quantized CPU experts, into the cache
+    their engines read (the expert files of a quantized --checkpoint are written already)."""
+    from vllm_kt_plugin.bench.prepare import fill_online_cache  # imports kt-kernel
+
+    report["prepared"] = {spec.name: fill_online_cache(spec, hf_config) for spec in runs}
+    print(f"[bench] prepared (layers quantized per run): {report['prepared']}", flush=True)
     return report
 
 
@@ -238,6 +271,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-only", action="store_true", help="only the layer benchmark of the first kt-hybrid method (no engines)"
     )
     parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add this invocation's runs to --out's (same shape, checkpoint, layers and GPU weight target)",
+    )
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="only make what the kt-hybrid runs' first start would (online-quantized CPU experts in "
+        "KT_CACHE_DIR, a quantized --checkpoint's expert files), without the GPU; no measurements",
+    )
+    parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"
     )
     parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
@@ -249,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     if args.layer_only:
         return 0 if "error" not in report["layer_benchmark"] else 1
+    if args.prepare_only:
+        return 0
     runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own
     failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
     return 0 if runs and not failed else 1

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kt_plugin.support.engine_lock import engine_start_lock
+
 
 def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams  # deferred: runs in the child process only
 
-    engine = LLM(model=model, max_model_len=256, seed=0, **llm)
+    with engine_start_lock():
+        engine = LLM(model=model, max_model_len=256, seed=0, **llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     results = []
     for output in engine.generate(prompts, params):

@@ -330,6 +330,15 @@ class KTKernelExperts(CPUExperts):
         self._collected = collected
         self._quantize()
 
+    def fill_cache(self) -> bool:
+        """Quantize this layer's random (load_format=dummy) experts into KT_CACHE_DIR now,
+        as an engine start would, e.g. ahead of it while the GPU is busy; False when the
+        layer was cached already."""
+        if not self.wants_all_experts:
+            return False
+        self._complete_online_weights()
+        return True
+
     def finalize_weights(self, max_deferred_experts_per_token: int) -> None:
         spec, settings = self.spec, self.settings
         kt_kernel = prepare_kt_kernel()

@@ -1,0 +1,52 @@
+"""``vllm-kt bench --prepare-only``: what a sitting's kt-hybrid runs would otherwise make at
+their first start, made ahead and without the GPU: the random AMXINT4/AMXINT8 CPU experts
+quantized into KT_CACHE_DIR (minutes for a 48-layer model) and, for a quantized
+``--checkpoint``, its routed expert files. A sitting can prepare while its GPU runs tests;
+the engines then load the cached layers. The cache publishes each layer atomically, so an
+engine that starts before preparation ends only quantizes the layers still missing."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from vllm_kt_plugin.bench.engine_runs import RunSpec, model_sizes
+from vllm_kt_plugin.cpu_backends.base import LayerSpec
+from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
+from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE
+from vllm_kt_plugin.planning.placement import ExpertPlacement
+from vllm_kt_plugin.settings.loader import load_settings
+
+
+def fill_online_cache(spec: RunSpec, hf_config: dict[str, Any]) -> int:
+    """Quantize the random CPU experts of ``spec``'s kt-hybrid run into its KT_CACHE_DIR,
+    layer by layer, as its engine would; returns the layers quantized (0: all cached, or
+    nothing to quantize: another method, or real weights, which only the engine loads)."""
+    settings = load_settings({**os.environ, **spec.env})
+    if spec.system != "kt-hybrid" or settings.method not in QUANTIZES_ONLINE or spec.load_format != "dummy":
+        return 0
+    sizes = model_sizes(hf_config)
+    chunk = settings.chunked_prefill_size or 1024  # kt-kernel's buffers: no bearing on the weights
+    quantized = 0
+    for layer_idx in sizes.memory.moe_layers:
+        started = time.perf_counter()
+        layer = LayerSpec(
+            layer_name=f"model.layers.{layer_idx}.mlp.experts",
+            layer_idx=layer_idx,
+            num_experts=sizes.num_experts,
+            top_k=sizes.top_k,
+            hidden_size=sizes.hidden,
+            intermediate_size=sizes.expert_inter,
+            placement=ExpertPlacement.first_n(sizes.num_experts, 0),  # every expert is quantized anyway
+            chunked_prefill_size=chunk,
+            model=spec.model,
+            load_format=spec.load_format,
+        )
+        if KTKernelExperts(layer, settings).fill_cache():
+            quantized += 1
+            print(
+                f"[bench] prepare {spec.name}: layer {layer_idx} quantized in {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
+    return quantized
