@@ -43,11 +43,11 @@ FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-
 NPROC=$(nproc)
 PLAIN_CPUS=${PLAIN_CPUS:-$((NPROC - 2))-$((NPROC - 1))}
 
-run_prepare() {
-  "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4,AMXINT8}" --prepare-only \
+run_prepare() {  # no CUDA context: it would count against an engine profiling meanwhile
+  CUDA_VISIBLE_DEVICES= "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4,AMXINT8}" --prepare-only \
       > "$BENCH_OUT/prepare.log" 2>&1 || return
   if wants fp8-bench || wants fp8-hybrid; then
-    "${FP8[@]}" --systems kt-hybrid --prepare-only >> "$BENCH_OUT/prepare.log" 2>&1
+    CUDA_VISIBLE_DEVICES= "${FP8[@]}" --systems kt-hybrid --prepare-only >> "$BENCH_OUT/prepare.log" 2>&1
   fi
 }
 
