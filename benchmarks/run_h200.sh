@@ -4,13 +4,14 @@
 # as in ../shared/gpu-host/README.md (vLLM 0.32 + kt-kernel in /root/gpusite), detached:
 #   setsid nohup bash benchmarks/run_h200.sh &
 # STAGES picks what runs, in order (default below). A stage written NAME& runs in the
-# background while the next ones go on; "wait" waits for those. Engines of stages that run
-# side by side take turns to start (VLLM_KT_ENGINE_START_LOCK: vLLM counts other processes'
-# allocations while it profiles); give them GPU shares that fit together (BENCH_ARGS /
-# FP8_BENCH_ARGS "--gpu-memory-utilization 0.5", VLLM_KT_TEST_GPU_SHARE=0.3). kt-kernel pins
-# its threads to cores 0..n-1 whatever the affinity, so never time kt-hybrid beside anything.
-#   prepare       online-quantized AMX experts of METHODS (and the FP8 expert files with
-#                 fp8-* stages) made without the GPU, e.g. "prepare& gpu-tests ..."
+# background while the next ones go on; "wait" waits for those. Only CPU work belongs beside
+# the GPU's: e.g. STAGES="prepare& gpu-tests wait bench". Engines side by side take turns to
+# start and stop (VLLM_KT_ENGINE_LOCK: vLLM's profiling counts memory other processes take or
+# free meanwhile), but nothing is timed beside anything (plain vLLM's batch-1 decode beside
+# tiny test engines gave 714, 310 and 243 tok/s in three repeats), and kt-kernel pins its
+# threads to cores 0..n-1 whatever the affinity.
+#   prepare       online-quantized AMX experts of METHODS, and with fp8-bench the FP8 expert
+#                 files, made without the GPU
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
@@ -18,10 +19,11 @@
 #                 (NAME:KT_A=1[,KT_B=2] each) as extra runs of the first method -> BENCH_JSON
 #   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS
-#   fp8-plain     fp8-bench's plain vLLM systems only, on cores PLAIN_CPUS (beside GPU tests)
-#   fp8-hybrid    fp8-bench's kt-hybrid, appended to fp8-plain's JSON (alone)
 # BENCH_ARGS: extra arguments for every `vllm-kt bench`. Everything goes to $BENCH_OUT;
-# stages.log says when each stage started and ended, DONE marks the end.
+# stages.log says when each stage started and ended, DONE marks the end. The host can be
+# taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish
+# a cut sitting later with the missing systems and --append. Block-FP8 engines JIT-compile
+# ~800 DeepGEMM kernels at their first start on a host (2-3 minutes; cached after).
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}
@@ -31,22 +33,19 @@ mkdir -p "$BENCH_OUT"
 [ -d /root/raysite ] && export PYTHONPATH=/root/raysite:$PYTHONPATH PATH=/root/raysite/bin:$PATH
 export PYTHONUNBUFFERED=1
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
-export VLLM_KT_ENGINE_START_LOCK=${VLLM_KT_ENGINE_START_LOCK:-$BENCH_OUT/engine-start.lock}
+export VLLM_KT_ENGINE_LOCK=${VLLM_KT_ENGINE_LOCK:-$BENCH_OUT/engine.lock}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
 wants() { [[ " ${STAGES//&/} " == *" $1 "* ]]; }
 # shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
 BENCH=(python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work
        ${BENCH_ARGS:-})
-# shellcheck disable=SC2206 - FP8_BENCH_ARGS is a list of arguments
 FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}"
-     --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json" ${FP8_BENCH_ARGS:-})
-NPROC=$(nproc)
-PLAIN_CPUS=${PLAIN_CPUS:-$((NPROC - 2))-$((NPROC - 1))}
+     --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json")
 
 run_prepare() {  # no CUDA context: it would count against an engine profiling meanwhile
   CUDA_VISIBLE_DEVICES= "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4,AMXINT8}" --prepare-only \
       > "$BENCH_OUT/prepare.log" 2>&1 || return
-  if wants fp8-bench || wants fp8-hybrid; then
+  if wants fp8-bench; then
     CUDA_VISIBLE_DEVICES= "${FP8[@]}" --systems kt-hybrid --prepare-only >> "$BENCH_OUT/prepare.log" 2>&1
   fi
 }
@@ -86,14 +85,6 @@ run_load() {
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU
   "${FP8[@]}" --systems "${FP8_SYSTEMS:-kt-hybrid,vllm-gpu,vllm-offload}" > "$BENCH_OUT/fp8-bench.log" 2>&1
-}
-
-run_fp8_plain() {
-  taskset -c "$PLAIN_CPUS" "${FP8[@]}" --systems vllm-gpu,vllm-offload > "$BENCH_OUT/fp8-plain.log" 2>&1
-}
-
-run_fp8_hybrid() {
-  "${FP8[@]}" --systems kt-hybrid --append > "$BENCH_OUT/fp8-hybrid.log" 2>&1
 }
 
 stage "install"

@@ -15,7 +15,7 @@ ENGINE_TIMEOUT_S = 900
 # e.g. 0.2, so that a test process fits beside another GPU process (a benchmark's server).
 # Engines must not start at the same moment: vLLM 0.32 counts what other processes allocate
 # while it profiles against its own budget ("No available memory for the cache blocks");
-# VLLM_KT_ENGINE_START_LOCK (support/engine_lock.py) makes their starts take turns.
+# VLLM_KT_ENGINE_LOCK (support/engine_lock.py) makes their starts take turns.
 GPU_SHARE_VARIABLE = "VLLM_KT_TEST_GPU_SHARE"
 
 # The prompts every engine comparison uses: the tiny models' training text and one chat.

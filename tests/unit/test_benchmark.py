@@ -218,18 +218,18 @@ def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
 
 
 def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_KT_ENGINE_START_LOCK: while one process starts its engine, another's start waits
-    (flock, as a second process would see it); unset, nothing is locked."""
+    """VLLM_KT_ENGINE_LOCK: while one process starts or stops its engine, another's start
+    or stop waits (flock, as a second process would see it); unset, nothing is locked."""
     import fcntl
 
-    from vllm_kt_plugin.support.engine_lock import LOCK_VARIABLE, engine_start_lock
+    from vllm_kt_plugin.support.engine_lock import LOCK_VARIABLE, engine_lock
 
     lock = tmp_path / "engine-start.lock"
     monkeypatch.delenv(LOCK_VARIABLE, raising=False)
-    with engine_start_lock():
+    with engine_lock():
         assert not lock.exists()
     monkeypatch.setenv(LOCK_VARIABLE, str(lock))
-    with engine_start_lock(), open(lock) as other, pytest.raises(BlockingIOError):
+    with engine_lock(), open(lock) as other, pytest.raises(BlockingIOError):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again

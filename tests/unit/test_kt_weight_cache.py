@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
-    DUMMY_HIGH,
     MARKER,
     ExpertTensors,
     LoadProgress,

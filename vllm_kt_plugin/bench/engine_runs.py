@@ -29,7 +29,7 @@ from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.support.child import run_child
-from vllm_kt_plugin.support.engine_lock import engine_start_lock
+from vllm_kt_plugin.support.engine_lock import engine_lock, stop_engine
 from vllm_kt_plugin.support.tiny_models import write_numbered_tokenizer
 
 # Each decode figure is the median of this many measurements (AMXINT4 at batch 1 has
@@ -171,7 +171,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         extra["quantization"] = "kt-hybrid"
     if spec.cpu_offload_gb:
         extra["cpu_offload_gb"] = spec.cpu_offload_gb
-    with engine_start_lock():  # beside other engines on this GPU (e.g. GPU tests) on purpose
+    with engine_lock():  # other engines of this GPU start and stop in turn (VLLM_KT_ENGINE_LOCK)
         started = time.perf_counter()  # not counting the wait for the lock
         llm = LLM(
             model=spec.model,
@@ -219,6 +219,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
     timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
     long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
+    stop_engine(llm)
     return {
         "startup_s": round(startup_s, 1),
         **decode_summary("decode_bs1", rates_bs1),

@@ -32,7 +32,7 @@ from vllm_kt_plugin.bench.layer_timing import layer_in_child
 from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
-from vllm_kt_plugin.support.engine_lock import engine_start_lock
+from vllm_kt_plugin.support.engine_lock import engine_lock
 from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_fp8_experts
 
 
@@ -48,7 +48,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         f"{sizes.num_experts} experts ({sizes.expert_bytes / 2**20:.1f} MiB each); {len(runs)} runs",
         flush=True,
     )
-    with engine_start_lock():  # probing the GPU allocates a CUDA context: not while an engine profiles
+    with engine_lock():  # probing the GPU allocates a CUDA context: not while an engine profiles
         host = host_info()
     report: dict[str, Any] = {
         "model": args.shape if not args.model else model,

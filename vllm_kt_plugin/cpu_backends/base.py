@@ -15,6 +15,19 @@ from vllm_kt_plugin.settings.variables import KTSettings
 # The shards of one expert, as vLLM's expert weight loaders name them: gate, up, down.
 EXPERT_SHARDS = ("w1", "w3", "w2")
 
+# vLLM's dummy-weight range (model_loader.weight_utils.initialize_dummy_weights).
+DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
+
+
+def fill_dummy_experts(experts: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Random weights in vLLM's dummy range for an [experts, ...] tensor (load_format=dummy
+    loads no checkpoint): one random expert, repeated with alternating sign. Drawing every
+    expert of a large model (58 GiB for Qwen3-30B-A3B) takes minutes, at every start; kernel
+    speed does not depend on the values."""
+    base = torch.rand(experts.shape[1:], generator=generator) * (DUMMY_HIGH - DUMMY_LOW) + DUMMY_LOW
+    experts[0::2].copy_(base)
+    experts[1::2].copy_(-base)
+
 
 @dataclass(frozen=True)
 class CheckpointFormat:

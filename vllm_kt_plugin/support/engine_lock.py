@@ -1,10 +1,11 @@
-"""One engine start at a time among the processes sharing a GPU.
+"""One engine start or stop at a time among the processes sharing a GPU.
 
-vLLM 0.32 sizes its KV cache from the GPU memory that grows while it profiles, counting
-what other processes allocate meanwhile as its own ("No available memory for the cache
-blocks" when two engines start together on one GPU). Test processes and benchmark runs
-that share a GPU on purpose name one lock file in ``VLLM_KT_ENGINE_START_LOCK``; each
-holds it while its engine starts, and runs beside the others once started.
+vLLM 0.32 sizes its KV cache from how the GPU's free memory changes while it profiles, so
+another process allocating meanwhile fails it ("No available memory for the cache
+blocks"), and one freeing memory meanwhile too ("Error in memory profiling. Initial free
+memory ..., current free memory ..."; both seen on the H200). Test processes and benchmark
+runs that share a GPU on purpose name one lock file in ``VLLM_KT_ENGINE_LOCK``; each holds
+it while its engine starts and while it stops, and runs beside the others in between.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-LOCK_VARIABLE = "VLLM_KT_ENGINE_START_LOCK"
+LOCK_VARIABLE = "VLLM_KT_ENGINE_LOCK"
 
 
 @contextmanager
-def engine_start_lock() -> Iterator[None]:
-    """Hold the host-wide engine-start lock, if ``VLLM_KT_ENGINE_START_LOCK`` names one."""
+def engine_lock() -> Iterator[None]:
+    """Hold the host-wide engine lock, if ``VLLM_KT_ENGINE_LOCK`` names one."""
     path = os.environ.get(LOCK_VARIABLE)
     if not path:
         yield
@@ -30,3 +32,9 @@ def engine_start_lock() -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut a ``vllm.LLM``'s engine down (its GPU memory freed) while holding the lock."""
+    with engine_lock():
+        llm.llm_engine.engine_core.shutdown()

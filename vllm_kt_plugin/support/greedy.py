@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kt_plugin.support.engine_lock import engine_start_lock
+from vllm_kt_plugin.support.engine_lock import engine_lock, stop_engine
 
 
 def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams  # deferred: runs in the child process only
 
-    with engine_start_lock():
+    with engine_lock():
         engine = LLM(model=model, max_model_len=256, seed=0, **llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     results = []
@@ -22,4 +22,5 @@ def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dic
         top2 = [[lp.logprob for _, lp in step] for step in steps]
         top2_ids = [[token for token, _ in step] for step in steps]
         results.append({"ids": list(completion.token_ids), "top2": top2, "top2_ids": top2_ids, "text": completion.text})
+    stop_engine(engine)
     return results

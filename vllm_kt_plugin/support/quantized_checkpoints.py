@@ -106,8 +106,10 @@ def write_dummy_fp8_experts(
 ) -> Path:
     """Random block-FP8 routed experts, one safetensors file per MoE layer, named as in a
     DeepSeek/Qwen checkpoint: what kt-kernel's FP8 reader takes as KT_WEIGHT_PATH for a
-    benchmark whose GPU side runs vLLM's dummy weights. Written once (``COMPLETE`` marks
-    it), with a line per layer: a 30B model takes a few minutes."""
+    benchmark whose GPU side runs vLLM's dummy weights. One random expert per layer, copied
+    to every expert (drawing each took 26 s per layer of Qwen3-30B-A3B beside busy cores;
+    kernel speed does not depend on the values). Written once (``COMPLETE`` marks it),
+    with a line per layer."""
     import time
 
     from safetensors.torch import save_file
@@ -117,16 +119,14 @@ def write_dummy_fp8_experts(
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     started = time.perf_counter()
+    shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
     for done, layer in enumerate(moe_layers, 1):
+        drawn = {name: _random_fp8(shape, generator) for name, shape in shapes.items()}
         tensors: dict[str, torch.Tensor] = {}
         for expert in range(num_experts):
             base = f"model.layers.{layer}.mlp.experts.{expert}"
-            for name, shape in (
-                ("gate_proj", (width, hidden)),
-                ("up_proj", (width, hidden)),
-                ("down_proj", (hidden, width)),
-            ):
-                tensors[f"{base}.{name}.weight"] = _random_fp8(shape, generator)
+            for name, shape in shapes.items():
+                tensors[f"{base}.{name}.weight"] = drawn[name].clone()  # safetensors stores no shared memory
                 blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
                 tensors[f"{base}.{name}.weight_scale_inv"] = torch.full(blocks, 1e-3, dtype=torch.float32)
         save_file(tensors, out / f"experts-layer-{layer:03d}.safetensors", metadata={"format": "pt"})

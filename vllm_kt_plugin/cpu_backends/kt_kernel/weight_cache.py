@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from vllm_kt_plugin.cpu_backends.base import EXPERT_SHARDS
+from vllm_kt_plugin.cpu_backends.base import EXPERT_SHARDS, fill_dummy_experts
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
 
 MARKER = "vllm-kt.json"
-DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234  # vLLM's dummy-weight range
+DUMMY_SEED = 1234  # per layer: a cached dummy layer is the one the same start would quantize
 
 
 def _model_fingerprint(model: str, model_dir: str | None) -> dict[str, Any]:
@@ -132,15 +132,10 @@ class ExpertTensors:
         return self.num_experts * len(EXPERT_SHARDS) - len(self.received)
 
     def fill_dummy(self, layer_idx: int) -> None:
-        """Random weights in vLLM's dummy range (load_format=dummy loads no checkpoint).
-        One random expert per tensor, repeated with alternating sign: drawing all of a
-        large model's expert weights (58 GiB for Qwen3-30B-A3B) would take minutes, and
-        kernel speed does not depend on the values."""
+        """Random weights (``fill_dummy_experts``), the same for a layer at every start."""
         gen = torch.Generator().manual_seed(DUMMY_SEED + layer_idx)
         for tensor in (self.gate, self.up, self.down):
-            base = torch.rand(tensor.shape[1:], generator=gen) * (DUMMY_HIGH - DUMMY_LOW) + DUMMY_LOW
-            tensor[0::2].copy_(base)
-            tensor[1::2].copy_(-base)
+            fill_dummy_experts(tensor, gen)
         self.received = {(e, s) for e in range(self.num_experts) for s in EXPERT_SHARDS}
 
 
