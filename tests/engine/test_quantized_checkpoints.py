@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.hardware import requires_kernel
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
@@ -186,17 +185,22 @@ def test_sizing_counts_the_checkpoints_bytes(quantized_model, arch: str, fmt: st
     assert cpu_bytes == pytest.approx(all_experts, rel=0.08)
 
 
-@requires_kernel("FP8")
-def test_benchmark_fp8_experts_are_what_kt_kernel_reads(tmp_path: Path) -> None:
-    """The block-FP8 routed experts `vllm-kt bench --checkpoint fp8-block` writes for a
-    dummy-weight sitting pass the plugin's file checks and load into kt-kernel's FP8 reader."""
+@pytest.mark.parametrize("method", ["FP8", "BF16"])
+def test_benchmark_experts_are_what_kt_kernel_reads(tmp_path: Path, method: str) -> None:
+    """The routed experts `vllm-kt bench --checkpoint fp8-block` (block-FP8) and
+    `bf16-experts` write for a dummy-weight sitting pass the plugin's file checks and load
+    into kt-kernel's reader of that method."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
-    from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_fp8_experts
+    from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_experts
+
+    if not kernel_available(method):
+        pytest.skip(f"this CPU / kt-kernel build has no {method} kernel")
 
     layers, experts, hidden, width = (1, 2), 8, 256, 128
-    out = write_dummy_fp8_experts(tmp_path / "experts", layers, experts, hidden, width)
-    check_weight_files("FP8", str(out), layers, experts, hidden, width)
+    out = write_dummy_experts(tmp_path / "experts", method, layers, experts, hidden, width)
+    check_weight_files(method, str(out), layers, experts, hidden, width)
     kt_kernel = prepare_kt_kernel()
     wrapper = kt_kernel.KTMoEWrapper(
         layer_idx=2,
@@ -209,7 +213,7 @@ def test_benchmark_fp8_experts_are_what_kt_kernel_reads(tmp_path: Path) -> None:
         threadpool_count=1,
         weight_path=str(out),
         chunked_prefill_size=64,
-        method="FP8",
+        method=method,
     )
     physical_to_logical = torch.arange(experts)
     wrapper.load_weights(physical_to_logical)

@@ -60,6 +60,20 @@ def test_fp8_block_sitting_runs_every_system_on_the_fp8_checkpoint() -> None:
     assert shape_config("qwen3-30b-a3b", "fp8-block", layers=24)["num_hidden_layers"] == 24
 
 
+def test_bf16_experts_sitting_gives_kt_hybrid_movable_experts() -> None:
+    """--checkpoint bf16-experts: vLLM's dummy BF16 model everywhere, kt-hybrid's CPU experts
+    read by kt-kernel's BF16 reader from files written on the host (the only kind that can
+    move to the GPU), so --variant dynamic:KT_DYNAMIC_GPU_EXPERTS=1 runs on the real shape."""
+    config = shape_config("qwen3-30b-a3b", "bf16-experts", layers=16)
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 16
+    sizes = model_sizes(config)
+    argv = ("--checkpoint", "bf16-experts", "--systems", "kt-hybrid", "--variant", "dynamic:KT_DYNAMIC_GPU_EXPERTS=1")
+    runs = plan_runs(args(*argv), "/m", "dummy", sizes, "/m-experts")
+    assert [r.name for r in runs] == ["kt-hybrid-bf16", "kt-hybrid-bf16-dynamic"]
+    assert runs[0].env["KT_METHOD"] == "BF16" and runs[0].env["KT_WEIGHT_PATH"] == "/m-experts"
+    assert runs[1].env["KT_DYNAMIC_GPU_EXPERTS"] == "1"
+
+
 def test_real_weights_add_bf16_cpu_experts() -> None:
     runs = plan_runs(args("--systems", "kt-hybrid"), "/m", "auto", model_sizes(SHAPES["qwen3-30b-a3b"]))
     assert [r.method for r in runs] == ["AMXINT4", "AMXINT8", "BF16"]

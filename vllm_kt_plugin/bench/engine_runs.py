@@ -314,8 +314,10 @@ def host_info() -> dict[str, Any]:
 
 
 # --checkpoint: the format every system's checkpoint has; the name plain vLLM's runs
-# carry, and the kt-kernel method that reads its experts.
-CHECKPOINTS = {"bf16": ("bf16", None), "fp8-block": ("fp8", "FP8")}
+# carry, and the kt-kernel method that reads its experts from files written on the host
+# (None: online AMX weights quantized from vLLM's dummy ones). bf16-experts gives kt-hybrid
+# BF16 CPU experts, which can move to the GPU (KT_DYNAMIC_GPU_EXPERTS).
+CHECKPOINTS = {"bf16": ("bf16", None), "bf16-experts": ("bf16", "BF16"), "fp8-block": ("fp8", "FP8")}
 PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-off-check
 
 

@@ -33,7 +33,7 @@ from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
 from vllm_kt_plugin.support.engine_lock import engine_lock
-from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_fp8_experts
+from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_experts
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def continue_sitting(report: dict[str, Any], out: Path) -> None:
 
 def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """--prepare-only: the kt-hybrid runs' online-quantized CPU experts, into the cache
-    their engines read (the expert files of a quantized --checkpoint are written already)."""
+    their engines read (the expert files of a file --checkpoint are written already)."""
     from vllm_kt_plugin.bench.prepare import fill_online_cache  # imports kt-kernel
 
     report["prepared"] = {spec.name: fill_online_cache(spec, hf_config) for spec in runs}
@@ -127,13 +127,15 @@ def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[st
 
 
 def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
-    """For a quantized --checkpoint of a built-in shape: its routed experts, written once
-    beside the model dir for kt-kernel to read (vLLM's systems run dummy weights)."""
-    if args.checkpoint != "fp8-block" or args.model or "kt-hybrid" not in system_order(args):
+    """For a --checkpoint whose experts kt-kernel reads from files (``fp8-block``,
+    ``bf16-experts``) on a built-in shape: its routed experts, written once beside the model
+    dir (vLLM's systems run dummy weights)."""
+    method = CHECKPOINTS[args.checkpoint][1]
+    if method is None or args.model or "kt-hybrid" not in system_order(args):
         return None
     out = Path(f"{model}-experts")
-    print(f"[bench] block-FP8 routed experts for kt-kernel: {out} (written once)", flush=True)
-    write_dummy_fp8_experts(out, sizes.memory.moe_layers, sizes.num_experts, sizes.hidden, sizes.expert_inter)
+    print(f"[bench] {method} routed experts for kt-kernel: {out} (written once)", flush=True)
+    write_dummy_experts(out, method, sizes.memory.moe_layers, sizes.num_experts, sizes.hidden, sizes.expert_inter)
     return str(out)
 
 
@@ -215,8 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint",
         default="bf16",
         choices=sorted(CHECKPOINTS),
-        help="the built-in shape's checkpoint format; fp8-block runs kt-hybrid with KT_METHOD=FP8 on routed "
-        "experts written on this host",
+        help="the built-in shape's checkpoint format; fp8-block runs kt-hybrid with KT_METHOD=FP8 and "
+        "bf16-experts with KT_METHOD=BF16 (which KT_DYNAMIC_GPU_EXPERTS needs), on routed experts written on "
+        "this host",
     )
     parser.add_argument("--layers", type=int, default=0, help="decoder layers of the built-in shape (0: all)")
     parser.add_argument("--model", help="a model directory instead (real weights: BF16 CPU experts also run)")
@@ -282,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepare-only",
         action="store_true",
         help="only make what the kt-hybrid runs' first start would (online-quantized CPU experts in "
-        "KT_CACHE_DIR, a quantized --checkpoint's expert files), without the GPU; no measurements",
+        "KT_CACHE_DIR, the expert files of --checkpoint fp8-block or bf16-experts), without the GPU; no measurements",
     )
     parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"

@@ -22,6 +22,8 @@ half at each refresh, so the placement follows recent traffic.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,42 @@ if TYPE_CHECKING:
 logger = logging.getLogger(LOGGER_NAME)
 
 DECAY = 0.5  # the counts' weight after each refresh
-_first_swap_logged = False  # the first swap of a process is logged at INFO, the rest at DEBUG
+
+
+class SwapLog:
+    """A process's layer swaps: each at DEBUG; at INFO the 1st, 10th, 100th, ... with the
+    running mean time per layer swap (what moving experts costs, without a line per layer)."""
+
+    def __init__(self) -> None:
+        self.swaps = self.experts = 0
+        self.seconds = 0.0
+
+    def add(self, layer_name: str, pairs: list[tuple[int, int]], seconds: float) -> None:
+        self.swaps += 1
+        self.experts += len(pairs)
+        self.seconds += seconds
+        incoming, outgoing = [p[0] for p in pairs], [p[1] for p in pairs]
+        logger.debug(
+            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU in %.1f ms",
+            layer_name,
+            incoming,
+            outgoing,
+            seconds * 1e3,
+        )
+        if math.log10(self.swaps).is_integer():
+            logger.info(
+                "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU; %d layer swaps "
+                "so far moved %d experts, %.1f ms per layer swap on average",
+                layer_name,
+                incoming,
+                outgoing,
+                self.swaps,
+                self.experts,
+                self.seconds / self.swaps * 1e3,
+            )
+
+
+SWAP_LOG = SwapLog()
 
 
 def swaps(counts: torch.Tensor, gpu_mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -102,20 +139,13 @@ class DynamicExperts:
         pairs = swaps(counts, self.placement.gpu_mask)
         if not pairs:
             return
+        started = time.perf_counter()  # the copies from pageable host memory block until done
         for incoming, outgoing in pairs:
             self._swap(layer, incoming, outgoing)
         self.gpu_slot_of.copy_(self.slots.to(self.gpu_slot_of.device))
         self.cpu.set_gpu_experts(self.placement.gpu_mask)
         self.swapped += len(pairs)
-        global _first_swap_logged
-        log = logger.debug if _first_swap_logged else logger.info
-        _first_swap_logged = True
-        log(
-            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU",
-            self.layer_name,
-            [p[0] for p in pairs],
-            [p[1] for p in pairs],
-        )
+        SWAP_LOG.add(self.layer_name, pairs, time.perf_counter() - started)
 
     def _swap(self, layer: RoutedExperts, incoming: int, outgoing: int) -> None:
         slot = int(self.slots[outgoing])

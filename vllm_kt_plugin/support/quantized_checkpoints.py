@@ -101,19 +101,21 @@ def fp8_block_config(moe_layers: list[int] | tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def write_dummy_fp8_experts(
-    out: Path, moe_layers: list[int] | tuple[int, ...], num_experts: int, hidden: int, width: int
+def write_dummy_experts(
+    out: Path, method: str, moe_layers: list[int] | tuple[int, ...], num_experts: int, hidden: int, width: int
 ) -> Path:
-    """Random block-FP8 routed experts, one safetensors file per MoE layer, named as in a
-    DeepSeek/Qwen checkpoint: what kt-kernel's FP8 reader takes as KT_WEIGHT_PATH for a
-    benchmark whose GPU side runs vLLM's dummy weights. One random expert per layer, copied
-    to every expert (drawing each took 26 s per layer of Qwen3-30B-A3B beside busy cores;
-    kernel speed does not depend on the values). Written once (``COMPLETE`` marks it),
-    with a line per layer."""
+    """Random routed experts, one safetensors file per MoE layer, named as in a DeepSeek/Qwen
+    checkpoint: what kt-kernel's ``method`` reader (``FP8``: block-FP8 with
+    ``weight_scale_inv``; ``BF16``) takes as KT_WEIGHT_PATH for a benchmark whose GPU side runs
+    vLLM's dummy weights. One random expert per layer, copied to every expert (drawing each
+    took 26 s per FP8 layer of Qwen3-30B-A3B beside busy cores; kernel speed does not depend on
+    the values). Written once (``COMPLETE`` marks it), with a line per layer."""
     import time
 
     from safetensors.torch import save_file
 
+    if method not in ("FP8", "BF16"):
+        raise ValueError(f"no dummy expert writer for {method}")
     if (out / "COMPLETE").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -121,22 +123,29 @@ def write_dummy_fp8_experts(
     started = time.perf_counter()
     shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
     for done, layer in enumerate(moe_layers, 1):
-        drawn = {name: _random_fp8(shape, generator) for name, shape in shapes.items()}
+        drawn = {name: _random_weight(method, shape, generator) for name, shape in shapes.items()}
         tensors: dict[str, torch.Tensor] = {}
         for expert in range(num_experts):
             base = f"model.layers.{layer}.mlp.experts.{expert}"
             for name, shape in shapes.items():
                 tensors[f"{base}.{name}.weight"] = drawn[name].clone()  # safetensors stores no shared memory
-                blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
-                tensors[f"{base}.{name}.weight_scale_inv"] = torch.full(blocks, 1e-3, dtype=torch.float32)
+                if method == "FP8":
+                    blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
+                    tensors[f"{base}.{name}.weight_scale_inv"] = torch.full(blocks, 1e-3, dtype=torch.float32)
         save_file(tensors, out / f"experts-layer-{layer:03d}.safetensors", metadata={"format": "pt"})
         print(
-            f"[fp8 experts] layer {layer}: {done}/{len(moe_layers)} written to {out} "
+            f"[{method} experts] layer {layer}: {done}/{len(moe_layers)} written to {out} "
             f"({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
     (out / "COMPLETE").write_text("")
     return out
+
+
+def _random_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    if method == "FP8":
+        return _random_fp8(shape, generator)
+    return (torch.rand(shape, generator=generator) * 2e-3 - 1e-3).to(torch.bfloat16)  # vLLM's dummy range
 
 
 def _random_fp8(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
