@@ -219,7 +219,7 @@ def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
         pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
     hf_config = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2, "num_experts": 4, "hidden_size": 128}
     hf_config |= {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
-    env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER_THREADS": "2"}
+    env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER": "1"}
     spec = RunSpec("kt-hybrid", "AMXINT8", model=str(tmp_path / "model"), load_format="dummy", gpu_weight_gb=1, env=env)
     assert fill_online_cache(spec, hf_config) == 2
     folder = cache_folder(

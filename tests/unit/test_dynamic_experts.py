@@ -48,8 +48,8 @@ def test_padded_tokens_count_for_nothing() -> None:
 
 
 def test_swap_log_reports_the_mean_cost_at_powers_of_ten(caplog) -> None:
-    """Each layer swap at DEBUG; at INFO the 1st, 10th and 100th, with the running mean cost
-    per layer swap (the figure the H200 benchmark reads)."""
+    """One line per layer swap: at INFO the 1st, 10th and 100th, the rest at DEBUG, with the
+    running mean cost per layer swap (the figure the H200 benchmark reads)."""
     import logging
 
     from vllm_kt_plugin.hybrid.dynamic_experts import SwapLog
@@ -60,7 +60,8 @@ def test_swap_log_reports_the_mean_cost_at_powers_of_ten(caplog) -> None:
         for i in range(100):
             log.add(f"model.layers.{i % 4}.mlp.experts", [(5, 1), (6, 2)] if i == 0 else [(7, 3)], 0.002 * (i + 1))
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert len(info) == 3 and len(caplog.records) == 103
-    assert "experts [5, 6] moved to the GPU, [1, 2] to the CPU; 1 layer swaps so far moved 2 experts, 2.0 ms" in info[0]
+    assert len(info) == 3 and len(caplog.records) == 100
+    first = "experts [5, 6] moved to the GPU, [1, 2] to the CPU in 2.0 ms; 1 layer swaps so far moved 2 experts, 2.0 ms"
+    assert first in info[0]
     assert info[1].endswith("10 layer swaps so far moved 11 experts, 11.0 ms per layer swap on average")
     assert info[2].endswith("100 layer swaps so far moved 101 experts, 101.0 ms per layer swap on average")

@@ -1,7 +1,7 @@
 """``vllm-kt bench --prepare-only``: what a sitting's kt-hybrid runs would otherwise make at
 their first start, made ahead and without the GPU: the random AMXINT4/AMXINT8 CPU experts
-quantized into KT_CACHE_DIR (minutes for a 48-layer model) and, for a quantized
-``--checkpoint``, its routed expert files. A sitting can prepare while its GPU runs tests;
+quantized into KT_CACHE_DIR (28 s for AMXINT4's 48 layers on the H200 host) and, for a
+``--checkpoint`` read from files, its routed expert files. A sitting can prepare while its GPU runs tests;
 the engines then load the cached layers. The cache publishes each layer atomically, so an
 engine that starts before preparation ends only quantizes the layers still missing."""
 

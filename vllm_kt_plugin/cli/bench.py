@@ -102,8 +102,8 @@ SITTING_KEYS = ("model", "load_format", "target_gpu_weight_gb", "checkpoint", "l
 
 
 def continue_sitting(report: dict[str, Any], out: Path) -> None:
-    """--append: ``out``'s runs come first in ``report`` (e.g. plain vLLM's, measured while
-    the GPU tests ran, then kt-hybrid's alone), and both commands are kept."""
+    """--append: ``out``'s runs come first in ``report`` (e.g. those of a sitting cut short,
+    whose remaining systems run on the next host), and both commands are kept."""
     if not out.exists():
         return
     earlier = json.loads(out.read_text())

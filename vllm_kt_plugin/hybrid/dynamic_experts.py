@@ -45,8 +45,9 @@ DECAY = 0.5  # the counts' weight after each refresh
 
 
 class SwapLog:
-    """A process's layer swaps: each at DEBUG; at INFO the 1st, 10th, 100th, ... with the
-    running mean time per layer swap (what moving experts costs, without a line per layer)."""
+    """A process's layer swaps, one line each: at INFO the 1st, 10th, 100th, ..., the rest at
+    DEBUG, with the running mean time per layer swap (what moving experts costs, without an
+    INFO line per layer)."""
 
     def __init__(self) -> None:
         self.swaps = self.experts = 0
@@ -56,25 +57,18 @@ class SwapLog:
         self.swaps += 1
         self.experts += len(pairs)
         self.seconds += seconds
-        incoming, outgoing = [p[0] for p in pairs], [p[1] for p in pairs]
-        logger.debug(
-            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU in %.1f ms",
+        log = logger.info if math.log10(self.swaps).is_integer() else logger.debug
+        log(
+            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU in %.1f ms; %d layer "
+            "swaps so far moved %d experts, %.1f ms per layer swap on average",
             layer_name,
-            incoming,
-            outgoing,
+            [p[0] for p in pairs],
+            [p[1] for p in pairs],
             seconds * 1e3,
+            self.swaps,
+            self.experts,
+            self.seconds / self.swaps * 1e3,
         )
-        if math.log10(self.swaps).is_integer():
-            logger.info(
-                "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU; %d layer swaps "
-                "so far moved %d experts, %.1f ms per layer swap on average",
-                layer_name,
-                incoming,
-                outgoing,
-                self.swaps,
-                self.experts,
-                self.seconds / self.swaps * 1e3,
-            )
 
 
 SWAP_LOG = SwapLog()

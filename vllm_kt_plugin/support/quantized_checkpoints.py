@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, DUMMY_LOW
 from vllm_kt_plugin.planning.model_memory import moe_layer_indices
 from vllm_kt_plugin.support.tiny_models import GENERATOR_VERSION, tiny_model_dir
 
@@ -145,7 +146,7 @@ def write_dummy_experts(
 def _random_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
     if method == "FP8":
         return _random_fp8(shape, generator)
-    return (torch.rand(shape, generator=generator) * 2e-3 - 1e-3).to(torch.bfloat16)  # vLLM's dummy range
+    return (torch.rand(shape, generator=generator) * (DUMMY_HIGH - DUMMY_LOW) + DUMMY_LOW).to(torch.bfloat16)
 
 
 def _random_fp8(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
