@@ -10,20 +10,26 @@
 # free meanwhile), but nothing is timed beside anything (plain vLLM's batch-1 decode beside
 # tiny test engines gave 714, 310 and 243 tok/s in three repeats), and kt-kernel pins its
 # threads to cores 0..n-1 whatever the affinity.
-#   prepare       online-quantized AMX experts of METHODS, and with fp8-bench the FP8 expert
-#                 files, made without the GPU
+#   prepare       online-quantized AMX experts of METHODS, made without the GPU
+#   prepare-fp8   fp8-bench's FP8 expert files, written without the GPU
+#   oversub       kt_oversubscription.py: kt-kernel with OVERSUB_THREADS workers beside n busy
+#                 processes (OVERSUB_RUNS "threads:busy ..."), alone on the host -> oversubscription.jsonl
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS with GPU prefill off and BENCH_VARIANTS
 #                 (NAME:KT_A=1[,KT_B=2] each) as extra runs of the first method -> BENCH_JSON
 #   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`
-#   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS
+#   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
+#                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
+#   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
 # BENCH_ARGS: extra arguments for every `vllm-kt bench`. Everything goes to $BENCH_OUT;
 # stages.log says when each stage started and ended, DONE marks the end. The host can be
 # taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish
 # a cut sitting later with the missing systems and --append. Block-FP8 engines JIT-compile
-# ~800 DeepGEMM kernels at their first start on a host (2-3 minutes; cached after).
+# ~800 DeepGEMM kernels at their first start on a host (2-3 minutes; cached after) with
+# vLLM's default warm-up; fp8-bench skips it (VLLM_DEEP_GEMM_WARMUP=skip: the kernels its
+# shapes use compile on first use, in the untimed warm-up; the JSON's host.vllm_env says so).
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}
@@ -44,10 +50,18 @@ FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-
 
 run_prepare() {  # no CUDA context: it would count against an engine profiling meanwhile
   CUDA_VISIBLE_DEVICES= "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4,AMXINT8}" --prepare-only \
-      > "$BENCH_OUT/prepare.log" 2>&1 || return
-  if wants fp8-bench; then
-    CUDA_VISIBLE_DEVICES= "${FP8[@]}" --systems kt-hybrid --prepare-only >> "$BENCH_OUT/prepare.log" 2>&1
-  fi
+      > "$BENCH_OUT/prepare.log" 2>&1
+}
+
+run_prepare_fp8() {
+  CUDA_VISIBLE_DEVICES= "${FP8[@]}" --systems kt-hybrid --prepare-only > "$BENCH_OUT/prepare-fp8.log" 2>&1
+}
+
+run_oversub() {
+  for run in ${OVERSUB_RUNS:-14:2 14:3 12:4 12:5}; do
+    python3 benchmarks/kt_oversubscription.py --threads "${run%:*}" --busy "${run#*:}" --workdir /root/bench-work/oversub \
+        2>> "$BENCH_OUT/oversub.log" | grep '^{' >> "$BENCH_OUT/oversubscription.jsonl"  # kt-kernel prints too
+  done
 }
 
 run_layer() {
@@ -84,7 +98,14 @@ run_load() {
 }
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU
-  "${FP8[@]}" --systems "${FP8_SYSTEMS:-kt-hybrid,vllm-gpu,vllm-offload}" > "$BENCH_OUT/fp8-bench.log" 2>&1
+  # shellcheck disable=SC2086 - FP8_BENCH_ARGS is a list of arguments
+  VLLM_DEEP_GEMM_WARMUP=${FP8_DEEP_GEMM_WARMUP:-skip} "${FP8[@]}" --systems "${FP8_SYSTEMS:-kt-hybrid,vllm-gpu,vllm-offload}" \
+      ${FP8_BENCH_ARGS:-} > "$BENCH_OUT/fp8-bench.log" 2>&1
+}
+
+run_prefill_test() {
+  python3 -m pytest -m gpu tests/engine/test_gpu.py -k "gpu_prefill_matches and BF16" -v -s -rs -p no:cacheprovider \
+      > "$BENCH_OUT/prefill-test.log" 2>&1
 }
 
 stage "install"

@@ -171,6 +171,7 @@ def test_sizing_counts_the_checkpoints_bytes(quantized_model, arch: str, fmt: st
     widths) is not counted."""
     model = quantized_model(arch, fmt)
     memory = estimate_model_memory(_config(model))
+    assert memory.block_fp8 == (fmt == "fp8-block")  # GPU prefill stages these (KT_METHOD=FP8)
     tensors = load_file(model / "model.safetensors")
     layer = memory.moe_layers[0]
     stored = _expert_file_bytes(tensors, layer, 0)
@@ -221,3 +222,65 @@ def test_benchmark_experts_are_what_kt_kernel_reads(tmp_path: Path, method: str)
     wrapper.submit_forward(x, torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), torch.full((4, 2), 0.5), 0)
     out_rows = wrapper.sync_forward(x, 0).float()
     assert torch.isfinite(out_rows).all() and out_rows.abs().sum() > 0
+
+
+def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
+    vllm_layer_context, quantized_model, tmp_path: Path
+) -> None:
+    """GPU prefill on a block-FP8 checkpoint keeps no host copy: kt-kernel's FP8 experts
+    written back (``write_gpu_layout``) are the checkpoint's own bytes — w13 = gate then up,
+    with their 128 x 128 block scales — the layout vLLM's Triton FP8 kernel runs."""
+    from safetensors.torch import save_file
+    from support.hardware import kt_variant
+
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+    from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+    from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_plugin.support.moe_layers import build_moe, fresh_layer_index
+
+    if not kernel_available("FP8"):
+        pytest.skip(f"this CPU's kt-kernel build ({kt_variant()}) has no FP8 kernel")
+    model = quantized_model("qwen3_moe", "fp8-block")
+    shape = expert_shape(_config(model))
+    source, idx = shape.moe_layers[0], fresh_layer_index()
+    tensors = load_file(model / "model.safetensors")
+    # The checkpoint's first MoE layer, renamed to a layer index no other test builds.
+    experts = {
+        name.replace(_experts_prefix(source), _experts_prefix(idx)): t
+        for name, t in tensors.items()
+        if name.startswith(_experts_prefix(source) + ".")
+    }
+    save_file(experts, str(tmp_path / "model.safetensors"))
+    env = {"KT_WEIGHT_PATH": str(tmp_path), "KT_METHOD": "FP8", "KT_NUM_GPU_EXPERTS": "2", "KT_CPUINFER": "1"}
+    runner = build_moe(
+        KTHybridConfig(settings=load_settings(env, cores=4)),
+        num_experts=shape.num_experts,
+        hidden=shape.hidden_size,
+        inter=shape.intermediate_size,
+        layer_idx=idx,
+    )
+    runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
+    cpu = runner.routed_experts.quant_method.cpu
+    assert cpu.writes_gpu_layout
+    ids = [shape.num_experts - 1, 3]
+    inter, hidden, n = shape.intermediate_size, shape.hidden_size, len(ids)
+    blocks_i, blocks_h = -(-inter // FP8_BLOCK[0]), -(-hidden // FP8_BLOCK[1])
+    out = {
+        "w13_weight": torch.zeros(n, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
+        "w13_weight_scale_inv": torch.zeros(n, 2 * blocks_i, blocks_h),
+        "w2_weight": torch.zeros(n, hidden, inter, dtype=torch.float8_e4m3fn),
+        "w2_weight_scale_inv": torch.zeros(n, blocks_h, blocks_i),
+    }
+    cpu.write_gpu_layout(ids, out)
+    for row, expert in enumerate(ids):
+        part = {p: f"{_experts_prefix(idx)}.{expert}.{p}_proj" for p in ("gate", "up", "down")}
+        gate_up = torch.cat([experts[f"{part['gate']}.weight"], experts[f"{part['up']}.weight"]])
+        assert torch.equal(out["w13_weight"][row].view(torch.uint8), gate_up.view(torch.uint8))
+        assert torch.equal(out["w2_weight"][row].view(torch.uint8), experts[f"{part['down']}.weight"].view(torch.uint8))
+        scales = torch.cat([experts[f"{part['gate']}.weight_scale_inv"], experts[f"{part['up']}.weight_scale_inv"]])
+        assert torch.equal(out["w13_weight_scale_inv"][row], scales)
+        assert torch.equal(out["w2_weight_scale_inv"][row], experts[f"{part['down']}.weight_scale_inv"])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # raw pointers: a wrong dtype is refused
+        cpu.write_gpu_layout(ids, {**out, "w13_weight": out["w13_weight"].to(torch.bfloat16)})
+    with pytest.raises(ValueError, match="w2_weight_scale_inv"):
+        cpu.write_gpu_layout(ids, {k: v for k, v in out.items() if k != "w2_weight_scale_inv"})

@@ -43,6 +43,27 @@ LLM = {"enforce_eager": True, "max_num_batched_tokens": 64}
 _plain: dict[str, list] = {}
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_block_fp8_gpu_prefill_against_plain_vllm(quantized_model, arch: str) -> None:
+    """KT_GPU_PREFILL_MIN_TOKENS=32 on a block-FP8 checkpoint, half the experts on the CPU:
+    forwards of 32 to 64 tokens (every prefill chunk here) compute the CPU experts on the
+    GPU with vLLM's Triton FP8 kernel, from kt-kernel's FP8 experts written back into pinned
+    buffers (no host copy); decode stays on kt-kernel. Greedy tokens against plain vLLM
+    within the FP8 bound."""
+    model = quantized_model(arch, "fp8-block")
+    prompts = PROMPTS + [long_prompt(model, 180)]
+    if str(model) not in _plain:
+        _plain[str(model)] = generate(model, prompts, kt=None, llm=LLM, VLLM_PLUGINS="")
+    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_GPU_PREFILL_MIN_TOKENS": "32"}
+    got, log = generate_logged(model, prompts, kt=kt, llm=LLM)
+    assert "kt-hybrid: GPU prefill ran" in log and "FP8 CPU experts written by kt_kernel (no host copy)" in log
+    differing = sum(g["ids"] != w["ids"] for g, w in zip(got, _plain[str(model)], strict=True))
+    worst = top1_drift(got[: len(PROMPTS)], _plain[str(model)][: len(PROMPTS)])
+    print(f"{arch} fp8-block GPU prefill: {differing} of {len(got)} completions differ; drift {worst:.4f}")
+    max_differing, max_drift = QUANTIZED_BOUNDS["fp8-block"]
+    assert differing <= max_differing and worst <= max_drift, (differing, worst)
+
+
 @pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
 @pytest.mark.parametrize(("arch", "fmt", "native", "method"), CHECKPOINTS, ids=[f"{c[0]}-{c[1]}" for c in CHECKPOINTS])
 def test_quantized_checkpoint_against_plain_vllm(

@@ -295,13 +295,19 @@ def test_gpu_prefill_staging_is_reserved() -> None:
         device_total_bytes=80 * GIB,
     )
     assert off.num_gpu_experts == 74 and "staging" not in off.explanation
-    quantized = dataclasses.replace(LAYERED, quantized=True)  # staged only when unquantized
+    quantized = dataclasses.replace(LAYERED, quantized=True)  # staged: unquantized, or block-FP8 with FP8
     assert (
         resolve_num_gpu_experts(
             kt(settings), quantized, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB
         ).num_gpu_experts
         == 74
     )
+    block_fp8 = dataclasses.replace(quantized, block_fp8=True)
+    for method, staged in (("FP8", 72), ("BF16", 74)):
+        budget = resolve_num_gpu_experts(
+            kt({**settings, "KT_METHOD": method}), block_fp8, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB
+        )
+        assert budget.num_gpu_experts == staged, (method, budget.explanation)
 
 
 def test_auto_gpu_prefill_reserves_staging_only_where_it_turns_on() -> None:
@@ -333,6 +339,22 @@ def test_auto_gpu_prefill_refusals() -> None:
     assert refusal() is None
     assert refusal(device=None) == NO_CUDA_DEVICE
     assert "quantized" in (refusal(dataclasses.replace(LAYERED, quantized=True)) or "")
+    # block-FP8: staged as kt-kernel's FP8 writes it back, from two pinned buffers of one layer
+    block_fp8 = dataclasses.replace(LAYERED, quantized=True, block_fp8=True)
+    assert "KT_METHOD=FP8" in (refusal(block_fp8) or "")
+    assert (
+        auto_gpu_prefill_refusal(
+            block_fp8,
+            device_total_bytes=80 * GIB,
+            gpu_memory_utilization=0.9,
+            num_gpu_experts=32,
+            ram_available_bytes=512 * GIB,
+            kt_method="FP8",
+        )
+        is None
+    )
+    assert block_fp8.gpu_prefill_host_bytes(32, "FP8") == 2 * 96 * block_fp8.expert_bytes
+    assert block_fp8.gpu_prefill_host_bytes(32, "RAWINT4") == 0
     assert "staging buffers" in (refusal(device=16 * GIB) or "")
     # host copy: 96 x 48 / 64 = 72 GiB, beside kt-kernel's experts: more than 90 % of 64 GiB
     assert "RAM" in (refusal(ram=64 * GIB) or "")

@@ -422,12 +422,12 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
     ids = [5, 2, 7]
     w13 = torch.zeros(len(ids), 2 * inter, hidden, dtype=torch.bfloat16)
     w2 = torch.zeros(len(ids), hidden, inter, dtype=torch.bfloat16)
-    cpu.write_gpu_layout(ids, w13, w2)
+    cpu.write_gpu_layout(ids, {"w13_weight": w13, "w2_weight": w2})
     for row, expert in enumerate(ids):
         assert torch.equal(w13[row], torch.cat([experts[expert]["gate_proj"], experts[expert]["up_proj"]]))
         assert torch.equal(w2[row], experts[expert]["down_proj"])
     # kt-kernel writes through raw pointers: a tensor-parallel shard or another dtype is refused.
     with pytest.raises(ValueError, match="cannot write experts"):
-        cpu.write_gpu_layout(ids, w13[:, :inter], w2[..., : inter // 2])
+        cpu.write_gpu_layout(ids, {"w13_weight": w13[:, :inter], "w2_weight": w2[..., : inter // 2]})
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu.write_gpu_layout(ids, w13.half(), w2.half())
+        cpu.write_gpu_layout(ids, {"w13_weight": w13.half(), "w2_weight": w2.half()})

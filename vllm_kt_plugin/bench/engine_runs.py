@@ -290,8 +290,15 @@ def _summary(result: dict[str, Any]) -> str:
     )
 
 
+_OWN_ENV = frozenset({"VLLM_KT_ENGINE_LOCK", "VLLM_KT_TEST_MODEL_CACHE", "VLLM_PLUGINS"})  # ours, or set per run
+
+
 def host_info() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cores": len(os.sched_getaffinity(0))}
+    # vLLM settings given by environment to every system (e.g. VLLM_DEEP_GEMM_WARMUP)
+    vllm_env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_") and name not in _OWN_ENV}
+    if vllm_env:
+        info["vllm_env"] = dict(sorted(vllm_env.items()))
     try:
         import torch
 

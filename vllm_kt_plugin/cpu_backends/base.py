@@ -120,9 +120,11 @@ class CPUExperts(ABC):
         then keeps no host copy of its own)."""
         return False
 
-    def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def write_gpu_layout(self, expert_ids: list[int], weights: Mapping[str, torch.Tensor]) -> None:
         """Write experts ``expert_ids`` (global ids), in that order, into the rows of host
-        tensors ``w13`` [n, 2I, H] (gate, then up) and ``w2`` [n, H, I]; blocks until done."""
+        tensors named as vLLM's MoE layers name them: ``w13_weight`` [n, 2I, H] (gate, then
+        up), ``w2_weight`` [n, H, I], and the scales of a quantized layout
+        (``w13_weight_scale_inv``, ``w2_weight_scale_inv``); blocks until done."""
         raise NotImplementedError(f"{type(self).__name__} cannot write its experts in the GPU layout")
 
     @classmethod

@@ -163,7 +163,7 @@ class DynamicExperts:
         width = self.create_args["intermediate_size_per_partition"]
         w13 = torch.empty(1, 2 * width, hidden, dtype=torch.bfloat16)
         w2 = torch.empty(1, hidden, width, dtype=torch.bfloat16)
-        self.cpu.write_gpu_layout([expert], w13, w2)
+        self.cpu.write_gpu_layout([expert], {"w13_weight": w13, "w2_weight": w2})
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config), torch.device("cpu"):

@@ -10,9 +10,11 @@ the other on a copy stream, so PCIe time hides behind compute wherever compute i
 The host copy is the native method's own runtime format: each layer gets a *shadow* of
 its vLLM layer (``hybrid.shadow``) holding only the CPU experts, on the CPU, built, loaded
 and post-processed by vLLM's code (the checkpoint tensors reach it through the same expert weight loader as
-the GPU experts), then pinned. Only unquantized native methods are staged for now: their
-kernels read the weights from the layer at every call, whereas quantized kernels keep
-references to their scales from setup.
+the GPU experts), then pinned. Where the CPU backend writes its experts in the layout of
+vLLM's Triton kernels itself (kt-kernel's BF16 and FP8), there is no host copy: they are
+written into one of two pinned host buffers per use. Unquantized experts and block-FP8 ones
+(the latter only as kt-kernel's FP8 writes them) are staged; block-FP8 shadows run vLLM's
+Triton kernel, whose layout is the checkpoint's.
 """
 
 from __future__ import annotations
@@ -101,6 +103,27 @@ STAGEABLE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
 RAW_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
+# vLLM's MoE backend of block-FP8 shadows: its Triton kernel takes the experts in the
+# checkpoint's layout unchanged (vLLM's conversion for it is the identity), which is what
+# kt-kernel's FP8 writes; DeepGEMM, the H200's default, re-lays the scales out at setup.
+BLOCK_FP8_STAGING_BACKEND = "triton"
+
+
+def is_block_fp8(native: FusedMoEMethodBase) -> bool:
+    """Whether the native method runs block-FP8 experts (DeepSeek-V3, Qwen3-*-FP8)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    return isinstance(native, Fp8MoEMethod) and native.block_quant
+
+
+def _runs_raw_layout(native: FusedMoEMethodBase) -> bool:
+    """Whether the native method's kernel runs the checkpoint's layout unchanged, as a CPU
+    backend that writes its experts hands them out."""
+    if is_block_fp8(native):
+        return getattr(native.fp8_backend, "name", None) in RAW_LAYOUT_BACKENDS
+    return native_is_stageable(native, RAW_LAYOUT_BACKENDS)
+
+
 def native_is_stageable(native: FusedMoEMethodBase, backends: tuple[str, ...] = STAGEABLE_BACKENDS) -> bool:
     """Whether the native method's kernel reads its weights from the layer at each call
     (and runs one of ``backends``)."""
@@ -123,13 +146,19 @@ class HostExperts:
         create_args: dict[str, Any],
         pin: bool,
         writer: CPUExperts | None = None,
+        moe_backend: str | None = None,
     ) -> None:
-        """``pin``: page-lock the copy after loading (under CUDA), so copies run async."""
+        """``pin``: page-lock the copy after loading (under CUDA), so copies run async;
+        ``moe_backend``: vLLM's MoE backend for the shadow (else the layer's choice)."""
         num_experts = len(cpu_expert_ids)
-        shadow, self.native = shadow_layer(layer, num_experts, make_native)
+        shadow, self.native = shadow_layer(layer, num_experts, make_native, moe_backend)
         # The shadow picks its kernel for its own expert count: the writer's layout must
         # suit that one too.
-        self.writer = writer if native_is_stageable(self.native, RAW_LAYOUT_BACKENDS) else None
+        self.writer = writer if _runs_raw_layout(self.native) else None
+        # Quantized kernels hold their scales from setup: one per staging buffer, bound at
+        # its first use (``_bind_kernel``).
+        self.binds_scales = is_block_fp8(self.native)
+        self._kernels: dict[int, tuple[Any, Any]] = {}
         self.device = torch.device("meta" if self.writer is not None else "cpu")  # a writer's: shapes only
         with self.device:
             self.native.create_weights(shadow, num_experts=num_experts, **create_args)
@@ -160,7 +189,7 @@ class HostExperts:
     def write(self, views: dict[str, torch.Tensor]) -> None:
         """The writer's experts into host ``views`` of this layout."""
         assert self.writer is not None
-        self.writer.write_gpu_layout(self.cpu_expert_ids, views["w13_weight"], views["w2_weight"])
+        self.writer.write_gpu_layout(self.cpu_expert_ids, views)
 
     def load(self, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, slot: int) -> None:
         """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader."""
@@ -206,6 +235,8 @@ class HostExperts:
         own = self.shadow._parameters
         self.shadow._parameters = {name: torch.nn.Parameter(t, requires_grad=False) for name, t in staged.items()}
         try:
+            if self.binds_scales:
+                self._bind_kernel(staged)
             return self.native.apply(
                 layer=self.shadow,
                 x=x,
@@ -216,6 +247,17 @@ class HostExperts:
             )
         finally:
             self.shadow._parameters = own
+
+    def _bind_kernel(self, staged: dict[str, torch.Tensor]) -> None:
+        """Point the native method at a kernel built on ``staged``'s scales (the shadow's
+        parameters are those now): vLLM's FP8 method builds its kernel from the layer's
+        tensors once, at setup (``_init_moe_kernel``, which vLLM also calls to rebuild it for
+        weights already in kernel format), so each staging buffer gets its own, kept."""
+        key = staged["w13_weight"].data_ptr()
+        if key not in self._kernels:
+            self.native._init_moe_kernel(self.shadow)
+            self._kernels[key] = (self.native.moe_quant_config, self.native.moe_kernel)
+        self.native.moe_quant_config, self.native.moe_kernel = self._kernels[key]
 
 
 class StagingBuffers:

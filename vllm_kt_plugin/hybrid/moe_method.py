@@ -30,7 +30,14 @@ from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
-from vllm_kt_plugin.hybrid.gpu_prefill import RAW_LAYOUT_BACKENDS, HostExperts, StagingBuffers, native_is_stageable
+from vllm_kt_plugin.hybrid.gpu_prefill import (
+    BLOCK_FP8_STAGING_BACKEND,
+    RAW_LAYOUT_BACKENDS,
+    HostExperts,
+    StagingBuffers,
+    is_block_fp8,
+    native_is_stageable,
+)
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
@@ -143,15 +150,11 @@ def _expert_map(layer: RoutedExperts, expert_map: torch.Tensor) -> Iterator[None
         layer._buffers["_expert_map"] = own
 
 
-def _auto_gpu_prefill_min_tokens(native: FusedMoEMethodBase, quant_config: KTHybridConfig) -> int:
-    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even where the GPU experts' method
+def _auto_gpu_prefill_min_tokens(staging_refusal: str | None, quant_config: KTHybridConfig) -> int:
+    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even where the layer's CPU experts
     can be staged and the model and host leave room (planning decides); else 0, saying
     why once."""
-    refusal = quant_config.layer_plan.gpu_prefill_refusal
-    if refusal is None and not native_is_stageable(native):
-        refusal = (
-            f"it stages unquantized experts run by vLLM's Triton kernels, the GPU experts run {_kernel_of(native)}"
-        )
+    refusal = quant_config.layer_plan.gpu_prefill_refusal or staging_refusal
     if refusal is not None:
         if refusal != NO_CUDA_DEVICE:
             logger.info_once("kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: %s", refusal)
@@ -301,18 +304,13 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 "GPU prefill stages a fixed set"
             )
             return 0
+        refusal = self._staging_refusal()
         if threshold is None:
-            threshold = _auto_gpu_prefill_min_tokens(self.native, quant_config)
+            threshold = _auto_gpu_prefill_min_tokens(refusal, quant_config)
             if not threshold:
                 return 0
-        elif not native_is_stageable(self.native):
-            raise KTConfigError(
-                "KT_GPU_PREFILL_MIN_TOKENS",
-                str(threshold),
-                "GPU prefill stages unquantized experts run by vLLM's Triton (or CPU) MoE kernels only; "
-                f"this checkpoint's GPU method is {_kernel_of(self.native)}",
-                "0 (off) for this checkpoint",
-            )
+        elif refusal is not None:
+            raise KTConfigError("KT_GPU_PREFILL_MIN_TOKENS", str(threshold), refusal, "0 (off) for this checkpoint")
         graphs = _cuda_graph_batch_sizes(vllm_config)
         if graphs and threshold <= graphs[-1]:
             logger.info_once(
@@ -323,6 +321,26 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             )
             threshold = graphs[-1] + 1
         return threshold
+
+    def _staging_refusal(self) -> str | None:
+        """Why GPU prefill cannot stage this layer's CPU experts, or None: it stages
+        unquantized experts run by vLLM's Triton (or CPU) kernels, and block-FP8 experts as
+        kt-kernel's FP8 writes them back (no tensor parallelism: it writes whole experts)."""
+        if native_is_stageable(self.native):
+            return None
+        if not is_block_fp8(self.native):
+            return (
+                "GPU prefill stages unquantized experts run by vLLM's Triton (or CPU) MoE kernels and block-FP8 "
+                f"ones; this checkpoint's GPU method is {_kernel_of(self.native)}"
+            )
+        writes = self.cpu is None or self.cpu.writes_gpu_layout
+        if self.settings.method != "FP8" or self.moe.tp_size > 1 or not writes:
+            return (
+                "GPU prefill stages block-FP8 experts as kt-kernel's FP8 writes them back: KT_METHOD=FP8 (this "
+                f"checkpoint's default), without tensor parallelism; here KT_METHOD={self.settings.method}, "
+                f"--tensor-parallel-size {self.moe.tp_size}"
+            )
+        return None
 
     def _refuse_monolithic(self) -> None:
         # FusedMoEMethodBase.is_monolithic fails while a method has not picked its
@@ -404,6 +422,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 ),
                 pin=cuda,
                 writer=self._gpu_layout_writer(cuda, params_dtype),
+                moe_backend=BLOCK_FP8_STAGING_BACKEND if cuda and is_block_fp8(self.native) else None,
             )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
@@ -415,10 +434,19 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     def _gpu_layout_writer(self, cuda: bool, params_dtype: torch.dtype) -> CPUExperts | None:
         """The CPU backend, where it can write its experts in the native kernel's layout
         (then GPU prefill keeps no host copy): under CUDA (vLLM's CPU kernels repack
-        theirs), in BF16 (what kt-kernel writes), whole experts (no tensor parallelism)."""
-        fits = cuda and params_dtype == torch.bfloat16 and self.moe.moe_parallel_config.tp_size == 1
+        theirs), whole experts (no tensor parallelism), in the checkpoint's format (BF16
+        for unquantized checkpoints, FP8 for block-FP8 ones)."""
+        fits = cuda and self.moe.moe_parallel_config.tp_size == 1
         writes = self.cpu is not None and self.cpu.writes_gpu_layout
-        return self.cpu if fits and writes and native_is_stageable(self.native, RAW_LAYOUT_BACKENDS) else None
+        if is_block_fp8(self.native):
+            same_format = self.settings.method == "FP8"  # the shadow then runs Triton (see HostExperts)
+        else:
+            same_format = (
+                self.settings.method == "BF16"
+                and params_dtype == torch.bfloat16
+                and native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
+            )
+        return self.cpu if fits and writes and same_format else None
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -577,10 +605,11 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         """Every routed expert on the GPU: the GPU experts as always, the CPU experts from
         the staging buffer, while the next layer's CPU experts are copied in."""
         assert self.host is not None
-        if self.staging.cuda and self.placement.num_gpu_experts:
+        if self.staging.cuda and self.placement.num_gpu_experts and native_is_stageable(self.native):
             # vLLM's Triton kernels drop the picks an expert map sends to -1 before any
             # GEMM: thousands of CPU-expert picks then cost nothing here, where zero
-            # weights would pile them all onto GPU slot 0.
+            # weights would pile them all onto GPU slot 0 (as they do for the kernels of
+            # quantized methods, e.g. DeepGEMM's, whose expert maps we have not checked).
             with _expert_map(layer, self.gpu_slot_of):
                 out = self._native_apply(layer, x, topk_weights, topk_ids)
         else:

@@ -18,17 +18,23 @@ if TYPE_CHECKING:
 
 
 def shadow_layer(
-    layer: RoutedExperts, num_experts: int, make_native: Callable[[RoutedExperts], FusedMoEMethodBase]
+    layer: RoutedExperts,
+    num_experts: int,
+    make_native: Callable[[RoutedExperts], FusedMoEMethodBase],
+    moe_backend: str | None = None,
 ) -> tuple[RoutedExperts, FusedMoEMethodBase]:
     """A shadow of ``layer`` for ``num_experts`` experts, with its own instance of the
     native method (which sizes itself by ``moe_config.num_local_experts``, hence a copy of
-    that too); no weights created yet."""
+    that too), on vLLM's ``moe_backend`` where given (else the layer's choice); no weights
+    created yet."""
     shadow = copy.copy(layer)
     shadow._parameters = {}
     shadow._buffers = dict(layer._buffers)  # the expert map and other routing state
     shadow._modules = {}
     shadow.moe_config = copy.copy(layer.moe_config)
     shadow.moe_config.num_local_experts = num_experts
+    if moe_backend is not None:
+        shadow.moe_config.moe_backend = moe_backend
     shadow.local_num_experts = num_experts
     native = make_native(shadow)
     object.__setattr__(shadow, "quant_method", native)  # nn.Module's setattr would register it

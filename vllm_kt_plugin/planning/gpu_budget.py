@@ -110,8 +110,11 @@ def auto_gpu_prefill_refusal(
     host, or None where it turns it on."""
     if device_total_bytes is None:
         return NO_CUDA_DEVICE
-    if memory.quantized:
-        return "the checkpoint is quantized (only unquantized experts are staged)"
+    if not memory.stageable(kt_method):
+        return (
+            "the checkpoint is quantized (GPU prefill stages unquantized experts, and block-FP8 ones with "
+            "KT_METHOD=FP8)"
+        )
     granted = device_total_bytes * gpu_memory_utilization
     if not _staging_fits(memory, granted, tensor_parallel_size):
         staging = staging_bytes(memory, 0, tensor_parallel_size)
@@ -130,7 +133,7 @@ def auto_gpu_prefill_refusal(
 
 def wants_staging_reserve(settings: KTSettings, memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
     """Whether auto's GPU budget keeps room for GPU prefill's staging buffers."""
-    if settings.gpu_prefill_min_tokens == 0 or memory.quantized:
+    if settings.gpu_prefill_min_tokens == 0 or not memory.stageable(settings.method or ""):
         return False
     if settings.gpu_prefill_min_tokens is None:  # auto: only where it would turn it on
         return _staging_fits(memory, granted_bytes, tp)

@@ -51,6 +51,7 @@ class ModelMemory:
     expert_bytes: int  # one routed expert on the GPU, in the checkpoint's format
     non_expert_bytes: int  # everything else vLLM puts on the GPU
     quantized: bool = False  # the checkpoint declares a quantization_config
+    block_fp8: bool = False  # ... fp8 with block scales (DeepSeek-V3, Qwen3-*-FP8)
 
     @property
     def num_moe_layers(self) -> int:
@@ -70,12 +71,18 @@ class ModelMemory:
             non_expert_bytes=self.non_expert_bytes * len(layers) // max(1, num_layers),
         )
 
+    def stageable(self, kt_method: str) -> bool:
+        """Whether GPU prefill can stage this checkpoint's CPU experts with ``kt_method``:
+        unquantized ones (a host copy, or BF16 written back by kt-kernel), block-FP8 ones as
+        kt-kernel's FP8 writes them back."""
+        return not self.quantized or (self.block_fp8 and kt_method.upper() == "FP8")
+
     def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format (only unquantized checkpoints are staged); where kt-kernel writes its own
-        experts in the GPU layout (``KT_GPU_LAYOUT_WRITERS``), two pinned buffers of one
-        layer's CPU experts instead."""
-        if self.quantized:
+        format; where kt-kernel writes its own experts in the GPU layout
+        (``KT_GPU_LAYOUT_WRITERS``), two pinned buffers of one layer's CPU experts instead;
+        none where they cannot be staged."""
+        if not self.stageable(kt_method):
             return 0
         layers = 2 if kt_method.upper() in KT_GPU_LAYOUT_WRITERS else self.num_moe_layers
         return (self.num_experts - gpu_experts_per_layer) * layers * self.expert_bytes
@@ -225,6 +232,7 @@ def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
         1 if text_config.get("tie_word_embeddings") else 2
     )
     per_expert, per_linear = linear_bytes_per_weight(config), linear_bytes_per_weight(config, experts=False)
+    quant = text_config.get("quantization_config") or {}
     per_plain = dtype_bytes(config)
     return ModelMemory(
         num_experts=experts,
@@ -232,5 +240,6 @@ def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
         expert_params=expert_params,
         expert_bytes=int(expert_params * per_expert),
         non_expert_bytes=int(linear_params * per_linear + plain_params * per_plain),
-        quantized=bool(text_config.get("quantization_config")),
+        quantized=bool(quant),
+        block_fp8=str(quant.get("quant_method", "")).lower() == "fp8" and bool(quant.get("weight_block_size")),
     )

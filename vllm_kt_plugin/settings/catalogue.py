@@ -48,10 +48,11 @@ KT_METHODS = (
     "MOE_INT8",
 )
 
-# kt-kernel methods whose experts kt-kernel writes back in the layout of vLLM's unquantized
-# Triton MoE kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer): GPU prefill
+# kt-kernel methods whose experts kt-kernel writes back in the layout of vLLM's Triton MoE
+# kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer): BF16 as unquantized
+# checkpoints hold them, FP8 with the 128 x 128 block scales of block-FP8 ones. GPU prefill
 # stages them from kt-kernel's own copy, with no second copy in RAM.
-KT_GPU_LAYOUT_WRITERS = ("BF16",)
+KT_GPU_LAYOUT_WRITERS = ("BF16", "FP8")
 
 # KT_EXPERT_PLACEMENT values: which experts of each layer go to the GPU.
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")

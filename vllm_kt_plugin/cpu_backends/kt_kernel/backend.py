@@ -33,7 +33,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     layer_is_damaged,
     quantize_into_cache,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import FP8_BLOCK, check_weight_files
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
@@ -372,28 +372,58 @@ class KTKernelExperts(CPUExperts):
 
     @classmethod
     def can_move_experts(cls, settings: KTSettings) -> bool:
-        # kt-kernel keeps every expert of a layer, writes BF16 ones back, and reads its
-        # GPU-expert mask through a pointer at each forward (checked: tests).
-        return settings.method is not None and writes_gpu_layout(settings.method)
+        # kt-kernel keeps every expert of a layer, writes BF16 ones back (the GPU slots
+        # they move into are unquantized), and reads its GPU-expert mask through a pointer
+        # at each forward (checked: tests).
+        return settings.method == "BF16" and writes_gpu_layout(settings.method)
 
     def set_gpu_experts(self, gpu_mask: torch.Tensor) -> None:
         self.wrapper.gpu_experts_mask.copy_(gpu_mask)  # in place: kt-kernel holds its address
 
-    def write_gpu_layout(self, expert_ids: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
-        # kt-kernel writes whole BF16 experts (its own widths, not split by tensor
-        # parallelism) through raw pointers: anything else would overrun the rows.
-        spec = self.spec
-        whole = (len(expert_ids), 2 * spec.intermediate_size, spec.hidden_size)
-        if w13.shape != whole or w2.shape != (whole[0], spec.hidden_size, spec.intermediate_size):
-            raise ValueError(f"{spec.layer_name}: cannot write experts {whole} into {tuple(w13.shape)}")
-        if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-            raise ValueError(f"{spec.layer_name}: kt-kernel writes bfloat16 experts, not {w13.dtype}")
-        # One task per expert on kt-kernel's threads; one GPU rank, and BF16 has no scales.
-        for row, expert_id in enumerate(expert_ids):
+    def write_gpu_layout(self, expert_ids: list[int], weights: Mapping[str, torch.Tensor]) -> None:
+        # kt-kernel writes whole experts (its own widths, not split by tensor parallelism)
+        # through raw pointers: any other shape or dtype would overrun the rows.
+        layout = self._gpu_layout(len(expert_ids))
+        for name, (shape, dtype) in layout.items():
+            tensor = weights.get(name)
+            if tensor is None or tuple(tensor.shape) != shape:
+                got = None if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"{self.spec.layer_name}: cannot write experts' {name} {shape} into {got}")
+            if tensor.dtype != dtype:
+                raise ValueError(
+                    f"{self.spec.layer_name}: kt-kernel writes {self.method} {name} as {dtype}, not {tensor.dtype}"
+                )
+
+        def pointers(name: str, row: int) -> list[int]:  # one GPU rank; 0 where the method has no scales
+            return [weights[name][row].data_ptr()] if name in layout else [0]
+
+        for row, expert_id in enumerate(expert_ids):  # one task per expert on kt-kernel's threads
             self.wrapper.submit_write_weight_scale_to_buffer(
-                1, expert_id, [w13[row].data_ptr()], [0], [w2[row].data_ptr()], [0]
+                1,
+                expert_id,
+                pointers("w13_weight", row),
+                pointers("w13_weight_scale_inv", row),
+                pointers("w2_weight", row),
+                pointers("w2_weight_scale_inv", row),
             )
         self.wrapper.sync_write_weight_scale_to_buffer()
+
+    def _gpu_layout(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What kt-kernel writes for ``n`` experts: BF16 weights, or FP8 ones with float32
+        scales per 128 x 128 block (checked against the checkpoint's tensors: tests)."""
+        inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
+        if self.method == "BF16":
+            return {
+                "w13_weight": ((n, 2 * inter, hidden), torch.bfloat16),
+                "w2_weight": ((n, hidden, inter), torch.bfloat16),
+            }
+        blocks = functools.partial(_blocks, FP8_BLOCK)
+        return {
+            "w13_weight": ((n, 2 * inter, hidden), torch.float8_e4m3fn),
+            "w13_weight_scale_inv": ((n, 2 * blocks(inter), blocks(hidden)), torch.float32),
+            "w2_weight": ((n, hidden, inter), torch.float8_e4m3fn),
+            "w2_weight_scale_inv": ((n, blocks(hidden), blocks(inter)), torch.float32),
+        }
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
@@ -404,6 +434,10 @@ class KTKernelExperts(CPUExperts):
     def sync(self, x: torch.Tensor) -> torch.Tensor:
         # kt-kernel returns one of its reusable buffers: the caller consumes it at once.
         return self.wrapper.sync_forward(x, self._stream)
+
+
+def _blocks(block: int, size: int) -> int:
+    return -(-size // block)
 
 
 @hookimpl

@@ -65,13 +65,14 @@ def kt_inference_methods() -> frozenset[str]:
 
 
 def writes_gpu_layout(method: str) -> bool:
-    """Whether kt-kernel can write ``method``'s experts back in the unquantized GPU layout
-    (known before any layer loads: the C++ class it will pick has the task)."""
+    """Whether kt-kernel can write ``method``'s experts back in the layout of vLLM's Triton
+    MoE kernels (known before any layer loads: the C++ class it will pick has the task)."""
     if method not in KT_GPU_LAYOUT_WRITERS:
         return False
     from kt_kernel.utils import amx
 
-    moe_class = amx.AMXBF16_MOE or amx.AVX2BF16_MOE  # kt-kernel's own preference for BF16
+    # kt-kernel's own preference: AMX/AVX-512 first, AVX2 else
+    moe_class = (amx.AMXBF16_MOE or amx.AVX2BF16_MOE) if method == "BF16" else (amx.AMXFP8_MOE or amx.AVX2FP8_MOE)
     return hasattr(moe_class, "write_weight_scale_to_buffer_task")
 
 
