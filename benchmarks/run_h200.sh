@@ -28,8 +28,9 @@
 # taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish
 # a cut sitting later with the missing systems and --append. Block-FP8 engines JIT-compile
 # ~800 DeepGEMM kernels at their first start on a host (2-3 minutes; cached after) with
-# vLLM's default warm-up; fp8-bench skips it (VLLM_DEEP_GEMM_WARMUP=skip: the kernels its
-# shapes use compile on first use, in the untimed warm-up; the JSON's host.vllm_env says so).
+# vLLM's default warm-up; fp8-bench skips it (VLLM_DEEP_GEMM_WARMUP=skip, recorded in the
+# JSON's host.vllm_env: kernels compile on first use, mostly in the untimed warm-ups, but the
+# 2026-12-04 sitting saw one land in a timed repeat; FP8_DEEP_GEMM_WARMUP=relax restores it).
 set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}

@@ -37,7 +37,10 @@ PLACEMENTS = {"half on CPU": "4", "all on CPU": "0"}
 # DeepSeek-V3 block-FP8 0 / 0.108 (half: vLLM's FP8 MoE also quantizes the activations, per
 # 128-wide group, kt-kernel's FP8 keeps them BF16; on a checkpoint whose kv_a_proj_with_mqa
 # the writer had left out, since fixed; on the rewritten one: 1 of 6 differ, 0.040).
-# DeepSeek-V3 compressed-tensors INT4: 0 / 0.043 (half). FP8's bound leaves room above 0.108.
+# DeepSeek-V3 compressed-tensors INT4: 0 / 0.043 (half). All on CPU (2026-12-04): DeepSeek-V3
+# block-FP8 1 / 0.040, compressed-tensors INT4 0 / 0.043, GPTQ Qwen3-MoE 0 / 0.0001. With GPU
+# prefill (block-FP8, half): Qwen3-MoE 0 / 0.0001, DeepSeek-V3 1 / 0.040. FP8's bound leaves
+# room above 0.108.
 QUANTIZED_BOUNDS = {"fp8-block": (1, 0.15), "ct-int4": (1, 0.1), "gptq-int4": (1, 0.1)}
 LLM = {"enforce_eager": True, "max_num_batched_tokens": 64}
 _plain: dict[str, list] = {}

@@ -96,6 +96,14 @@ def test_committed_h200_results_have_the_reported_fields() -> None:
     assert layer["gpu_prefill_break_even_tokens"] == min(
         int(n) for n, t in table.items() if t["pipelined_ms"] < t["cpu_path_ms"]
     )
+    # The block-FP8 sitting: every system on the FP8 checkpoint, its layer count and the
+    # vLLM settings given to all of them recorded.
+    fp8 = json.loads((results / "h200_fp8_qwen3_30b_a3b.json").read_text())
+    assert {r["system"] for r in fp8["runs"]} == {"vllm-gpu", "vllm-offload", "kt-hybrid"}
+    assert fp8["checkpoint"] == "fp8-block" and fp8["layers"] == 24
+    assert fp8["host"]["vllm_env"]["VLLM_DEEP_GEMM_WARMUP"] == "skip"
+    for run in fp8["runs"]:
+        assert fields <= set(run), run
 
 
 def test_decode_summary_reports_median_and_spread() -> None:
@@ -247,3 +255,13 @@ def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+
+
+def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_* variables set for a whole sitting land in the JSON; ours and per-run ones do not."""
+    from vllm_kt_plugin.bench.engine_runs import host_info
+
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    monkeypatch.setenv("VLLM_KT_ENGINE_LOCK", "/tmp/lock")
+    vllm_env = host_info()["vllm_env"]
+    assert vllm_env["VLLM_DEEP_GEMM_WARMUP"] == "skip" and "VLLM_KT_ENGINE_LOCK" not in vllm_env

@@ -431,3 +431,21 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
         cpu.write_gpu_layout(ids, {"w13_weight": w13[:, :inter], "w2_weight": w2[..., : inter // 2]})
     with pytest.raises(ValueError, match="bfloat16"):
         cpu.write_gpu_layout(ids, {"w13_weight": w13.half(), "w2_weight": w2.half()})
+
+
+def test_auto_gpu_prefill_threshold_per_method() -> None:
+    """auto: the H200's break-even per kt-kernel method (2,048 tokens for the AMX and BF16
+    methods, 1,024 for FP8 on block-FP8 checkpoints), 0 where a refusal applies."""
+    from types import SimpleNamespace
+
+    from vllm_kt_plugin.hybrid.moe_method import _auto_gpu_prefill_min_tokens
+
+    def config(method: str, refusal: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            layer_plan=SimpleNamespace(gpu_prefill_refusal=refusal), process_settings=SimpleNamespace(method=method)
+        )
+
+    assert _auto_gpu_prefill_min_tokens(None, config("AMXINT4")) == 2048
+    assert _auto_gpu_prefill_min_tokens(None, config("FP8")) == 1024
+    assert _auto_gpu_prefill_min_tokens("the layer cannot be staged", config("FP8")) == 0
+    assert _auto_gpu_prefill_min_tokens(None, config("FP8", refusal="the staging would not fit")) == 0

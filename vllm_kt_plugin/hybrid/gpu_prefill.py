@@ -105,7 +105,8 @@ RAW_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 # vLLM's MoE backend of block-FP8 shadows: its Triton kernel takes the experts in the
 # checkpoint's layout unchanged (vLLM's conversion for it is the identity), which is what
-# kt-kernel's FP8 writes; DeepGEMM, the H200's default, re-lays the scales out at setup.
+# kt-kernel's FP8 writes; others (DeepGEMM, FlashInfer, Marlin) re-lay weights or scales out
+# at setup. (On the H200 vLLM 0.32 picks Triton for the GPU experts too.)
 BLOCK_FP8_STAGING_BACKEND = "triton"
 
 

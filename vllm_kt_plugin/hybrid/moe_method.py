@@ -42,7 +42,12 @@ from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
-from vllm_kt_plugin.settings.catalogue import GIB, GPU_PREFILL_AUTO_MIN_TOKENS, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import (
+    GIB,
+    GPU_PREFILL_AUTO_MIN_TOKENS,
+    GPU_PREFILL_AUTO_MIN_TOKENS_FP8,
+    LOGGER_NAME,
+)
 from vllm_kt_plugin.settings.errors import KTConfigError
 
 if TYPE_CHECKING:
@@ -151,15 +156,16 @@ def _expert_map(layer: RoutedExperts, expert_map: torch.Tensor) -> Iterator[None
 
 
 def _auto_gpu_prefill_min_tokens(staging_refusal: str | None, quant_config: KTHybridConfig) -> int:
-    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even where the layer's CPU experts
-    can be staged and the model and host leave room (planning decides); else 0, saying
-    why once."""
+    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even for the kt-kernel method where
+    the layer's CPU experts can be staged and the model and host leave room (planning
+    decides); else 0, saying why once."""
     refusal = quant_config.layer_plan.gpu_prefill_refusal or staging_refusal
     if refusal is not None:
         if refusal != NO_CUDA_DEVICE:
             logger.info_once("kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: %s", refusal)
         return 0
-    return GPU_PREFILL_AUTO_MIN_TOKENS
+    fp8 = quant_config.process_settings.method == "FP8"
+    return GPU_PREFILL_AUTO_MIN_TOKENS_FP8 if fp8 else GPU_PREFILL_AUTO_MIN_TOKENS
 
 
 def _kernel_of(native: FusedMoEMethodBase) -> str:
@@ -609,7 +615,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             # vLLM's Triton kernels drop the picks an expert map sends to -1 before any
             # GEMM: thousands of CPU-expert picks then cost nothing here, where zero
             # weights would pile them all onto GPU slot 0 (as they do for the kernels of
-            # quantized methods, e.g. DeepGEMM's, whose expert maps we have not checked).
+            # quantized methods, whose expert maps we have not checked).
             with _expert_map(layer, self.gpu_slot_of):
                 out = self._native_apply(layer, x, topk_weights, topk_ids)
         else:

@@ -26,8 +26,12 @@ DEFAULT_BACKEND = "kt_kernel"
 RESERVED_CORES = 2
 
 # KT_GPU_PREFILL_MIN_TOKENS=auto under CUDA: the token count from which one layer's GPU
-# prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host.
+# prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
 GPU_PREFILL_AUTO_MIN_TOKENS = 2048
+# ... with kt-kernel's FP8 on a block-FP8 checkpoint: its CPU path is far slower at prefill
+# sizes, and half the bytes stream (H200 FP8 sitting: eight 1,024-token prompts took 4.8 s
+# where a 16,384-token forward on the GPU path took 0.45 s; README, GPU prefill).
+GPU_PREFILL_AUTO_MIN_TOKENS_FP8 = 1024
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
 # this copy equal to it, so KT_METHOD's help can list them without importing kt-kernel).
@@ -198,8 +202,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
-        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, README) where the "
-        "GPU experts run unquantized on vLLM's Triton kernels and the host copy fits in RAM; else off",
+        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA ({GPU_PREFILL_AUTO_MIN_TOKENS_FP8} with KT_METHOD=FP8; "
+        "the break-evens measured on the H200, README) where the CPU experts can be staged (unquantized on vLLM's "
+        "Triton kernels, or block-FP8) and the staging fits; else off",
         "auto, or an integer >= 0 (0 = off)",
         "forward passes with at least this many tokens compute every expert on the GPU, "
         "the CPU experts' weights streamed in layer by layer",
