@@ -20,7 +20,7 @@ from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.quant_config import resolve_native_method_name
 from vllm_kt_plugin.planning.model_memory import estimate_model_memory, expert_shape
-from vllm_kt_plugin.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK, GPTQ_GROUP
+from vllm_kt_plugin.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK_SHAPE, GPTQ_GROUP
 
 pytestmark = pytest.mark.engine  # trains two tiny models (~1 min each on 2 cores)
 
@@ -46,7 +46,7 @@ def dequantized(tensors: dict[str, torch.Tensor], fmt: str, base: str) -> torch.
     if fmt == "fp8-block":
         weight, scale = tensors[f"{base}.weight"].float(), tensors[f"{base}.weight_scale_inv"]
         rows, cols = weight.shape
-        bn, bk = FP8_BLOCK
+        bn, bk = FP8_BLOCK_SHAPE
         return weight * scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
     if fmt == "ct-int4":
         rows, cols = tensors[f"{base}.weight_shape"].tolist()
@@ -234,6 +234,7 @@ def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
     from support.hardware import kt_variant
 
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+    from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import fp8_blocks
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.settings.loader import load_settings
     from vllm_kt_plugin.support.moe_layers import build_moe, fresh_layer_index
@@ -264,7 +265,7 @@ def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
     assert cpu.writes_gpu_layout
     ids = [shape.num_experts - 1, 3]
     inter, hidden, n = shape.intermediate_size, shape.hidden_size, len(ids)
-    blocks_i, blocks_h = -(-inter // FP8_BLOCK[0]), -(-hidden // FP8_BLOCK[1])
+    blocks_i, blocks_h = fp8_blocks(inter), fp8_blocks(hidden)
     out = {
         "w13_weight": torch.zeros(n, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
         "w13_weight_scale_inv": torch.zeros(n, 2 * blocks_i, blocks_h),

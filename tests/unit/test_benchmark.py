@@ -263,5 +263,7 @@ def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: 
 
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     monkeypatch.setenv("VLLM_KT_ENGINE_LOCK", "/tmp/lock")
+    monkeypatch.setenv("VLLM_API_KEY", "not-for-the-json")
     vllm_env = host_info()["vllm_env"]
-    assert vllm_env["VLLM_DEEP_GEMM_WARMUP"] == "skip" and "VLLM_KT_ENGINE_LOCK" not in vllm_env
+    assert vllm_env["VLLM_DEEP_GEMM_WARMUP"] == "skip"
+    assert "VLLM_KT_ENGINE_LOCK" not in vllm_env and "VLLM_API_KEY" not in vllm_env

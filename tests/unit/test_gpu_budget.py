@@ -326,14 +326,21 @@ def test_auto_gpu_prefill_reserves_staging_only_where_it_turns_on() -> None:
 def test_auto_gpu_prefill_refusals() -> None:
     """Why auto leaves GPU prefill off, per model and host; None where it turns on."""
 
-    def refusal(memory: ModelMemory = LAYERED, device: int | None = 80 * GIB, ram: int = 512 * GIB) -> str | None:
+    def refusal(
+        memory: ModelMemory = LAYERED,
+        device: int | None = 80 * GIB,
+        ram: int = 512 * GIB,
+        kt_method: str = "AMXINT4",
+        tp: int = 1,
+    ) -> str | None:
         return auto_gpu_prefill_refusal(
             memory,
             device_total_bytes=device,
             gpu_memory_utilization=0.9,
             num_gpu_experts=32,
             ram_available_bytes=ram,
-            kt_method="AMXINT4",
+            kt_method=kt_method,
+            tensor_parallel_size=tp,
         )
 
     assert refusal() is None
@@ -342,19 +349,14 @@ def test_auto_gpu_prefill_refusals() -> None:
     # block-FP8: staged as kt-kernel's FP8 writes it back, from two pinned buffers of one layer
     block_fp8 = dataclasses.replace(LAYERED, quantized=True, block_fp8=True)
     assert "KT_METHOD=FP8" in (refusal(block_fp8) or "")
-    assert (
-        auto_gpu_prefill_refusal(
-            block_fp8,
-            device_total_bytes=80 * GIB,
-            gpu_memory_utilization=0.9,
-            num_gpu_experts=32,
-            ram_available_bytes=512 * GIB,
-            kt_method="FP8",
-        )
-        is None
-    )
+    assert refusal(block_fp8, kt_method="FP8") is None
     assert block_fp8.gpu_prefill_host_bytes(32, "FP8") == 2 * 96 * block_fp8.expert_bytes
     assert block_fp8.gpu_prefill_host_bytes(32, "RAWINT4") == 0
+    # kt-kernel writes whole experts: one tensor-parallel rank
+    assert "tensor-parallel-size 2" in (refusal(block_fp8, kt_method="FP8", tp=2) or "")
+    # FP8 experts from KT_WEIGHT_PATH on an unquantized checkpoint: a BF16 host copy of every layer
+    assert LAYERED.gpu_prefill_host_bytes(32, "FP8") == 96 * LAYERED.num_moe_layers * LAYERED.expert_bytes
+    assert LAYERED.gpu_prefill_host_bytes(32, "BF16") == 2 * 96 * LAYERED.expert_bytes
     assert "staging buffers" in (refusal(device=16 * GIB) or "")
     # host copy: 96 x 48 / 64 = 72 GiB, beside kt-kernel's experts: more than 90 % of 64 GiB
     assert "RAM" in (refusal(ram=64 * GIB) or "")

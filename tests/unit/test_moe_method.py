@@ -433,19 +433,35 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
         cpu.write_gpu_layout(ids, {"w13_weight": w13.half(), "w2_weight": w2.half()})
 
 
-def test_auto_gpu_prefill_threshold_per_method() -> None:
-    """auto: the H200's break-even per kt-kernel method (2,048 tokens for the AMX and BF16
-    methods, 1,024 for FP8 on block-FP8 checkpoints), 0 where a refusal applies."""
+def test_auto_gpu_prefill_threshold_or_refusal() -> None:
+    """auto: the layer's break-even where nothing refuses, else 0."""
     from types import SimpleNamespace
 
     from vllm_kt_plugin.hybrid.moe_method import _auto_gpu_prefill_min_tokens
 
-    def config(method: str, refusal: str | None = None) -> SimpleNamespace:
-        return SimpleNamespace(
-            layer_plan=SimpleNamespace(gpu_prefill_refusal=refusal), process_settings=SimpleNamespace(method=method)
-        )
+    def config(refusal: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(layer_plan=SimpleNamespace(gpu_prefill_refusal=refusal))
 
-    assert _auto_gpu_prefill_min_tokens(None, config("AMXINT4")) == 2048
-    assert _auto_gpu_prefill_min_tokens(None, config("FP8")) == 1024
-    assert _auto_gpu_prefill_min_tokens("the layer cannot be staged", config("FP8")) == 0
-    assert _auto_gpu_prefill_min_tokens(None, config("FP8", refusal="the staging would not fit")) == 0
+    assert _auto_gpu_prefill_min_tokens(None, config(), 1024) == 1024
+    assert _auto_gpu_prefill_min_tokens("the layer cannot be staged", config(), 1024) == 0
+    assert _auto_gpu_prefill_min_tokens(None, config("the staging would not fit"), 2048) == 0
+
+
+def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:
+    """kt-kernel writes through raw pointers: the shadow's tensors (e.g. with biases, or
+    other block scales) must be exactly what the CPU backend writes."""
+    from types import SimpleNamespace
+
+    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts
+
+    written = {"w13_weight": ((2, 8, 4), torch.bfloat16), "w2_weight": ((2, 4, 4), torch.bfloat16)}
+    writer = SimpleNamespace(gpu_layout=lambda n: {k: ((n, *s[1:]), d) for k, (s, d) in written.items()})
+
+    def host(layout: dict) -> SimpleNamespace:
+        layout = {k: (torch.Size(s), d) for k, (s, d) in layout.items()}
+        return SimpleNamespace(writer=writer, layout=layout, cpu_expert_ids=[3, 5], native=object())
+
+    assert HostExperts.writer_mismatch(host(written)) is None
+    biased = {**written, "w13_bias": ((2, 8), torch.bfloat16)}
+    assert "w13_bias" in (HostExperts.writer_mismatch(host(biased)) or "")
+    assert HostExperts.writer_mismatch(SimpleNamespace(writer=None)) is None

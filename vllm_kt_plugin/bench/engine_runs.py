@@ -290,13 +290,17 @@ def _summary(result: dict[str, Any]) -> str:
     )
 
 
-_OWN_ENV = frozenset({"VLLM_KT_ENGINE_LOCK", "VLLM_KT_TEST_MODEL_CACHE", "VLLM_PLUGINS"})  # ours, or set per run
+def _recorded(name: str) -> bool:
+    """Whether a VLLM_* variable goes into the committed JSON: not ours (VLLM_KT_*), not
+    set per run (VLLM_PLUGINS), no secret (VLLM_API_KEY and the like)."""
+    secret = any(word in name for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
+    return not name.startswith("VLLM_KT_") and name != "VLLM_PLUGINS" and not secret
 
 
 def host_info() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cores": len(os.sched_getaffinity(0))}
     # vLLM settings given by environment to every system (e.g. VLLM_DEEP_GEMM_WARMUP)
-    vllm_env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_") and name not in _OWN_ENV}
+    vllm_env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_") and _recorded(name)}
     if vllm_env:
         info["vllm_env"] = dict(sorted(vllm_env.items()))
     try:

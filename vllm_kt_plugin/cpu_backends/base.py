@@ -120,6 +120,11 @@ class CPUExperts(ABC):
         then keeps no host copy of its own)."""
         return False
 
+    def gpu_layout(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What ``write_gpu_layout`` writes for ``n`` experts: each tensor's shape and dtype,
+        by vLLM's parameter name."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write its experts in the GPU layout")
+
     def write_gpu_layout(self, expert_ids: list[int], weights: Mapping[str, torch.Tensor]) -> None:
         """Write experts ``expert_ids`` (global ids), in that order, into the rows of host
         tensors named as vLLM's MoE layers name them: ``w13_weight`` [n, 2I, H] (gate, then

@@ -34,7 +34,9 @@ from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
 
@@ -98,8 +100,9 @@ _PAGE = mmap.PAGESIZE
 STAGEABLE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
 
 
-# Of those, the ones that run the checkpoint's layout unchanged (w13 = gate then up), as a
-# CPU backend that writes its experts in the GPU layout (kt-kernel's BF16) hands them out.
+# Backends (unquantized, and of vLLM's FP8 method) that run the checkpoint's layout unchanged
+# (w13 = gate then up), as a CPU backend that writes its experts in the GPU layout
+# (kt-kernel's BF16 and FP8) hands them out.
 RAW_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
@@ -117,7 +120,7 @@ def is_block_fp8(native: FusedMoEMethodBase) -> bool:
     return isinstance(native, Fp8MoEMethod) and native.block_quant
 
 
-def _runs_raw_layout(native: FusedMoEMethodBase) -> bool:
+def runs_raw_layout(native: FusedMoEMethodBase) -> bool:
     """Whether the native method's kernel runs the checkpoint's layout unchanged, as a CPU
     backend that writes its experts hands them out."""
     if is_block_fp8(native):
@@ -155,11 +158,16 @@ class HostExperts:
         shadow, self.native = shadow_layer(layer, num_experts, make_native, moe_backend)
         # The shadow picks its kernel for its own expert count: the writer's layout must
         # suit that one too.
-        self.writer = writer if _runs_raw_layout(self.native) else None
+        self.writer = writer if runs_raw_layout(self.native) else None
         # Quantized kernels hold their scales from setup: one per staging buffer, bound at
         # its first use (``_bind_kernel``).
         self.binds_scales = is_block_fp8(self.native)
-        self._kernels: dict[int, tuple[Any, Any]] = {}
+        if self.binds_scales and not hasattr(self.native, "_init_moe_kernel"):
+            raise RuntimeError(
+                f"kt-hybrid GPU prefill: this vLLM's {type(self.native).__name__} has no _init_moe_kernel (vLLM "
+                "0.32's) to bind staged block-FP8 scales; set KT_GPU_PREFILL_MIN_TOKENS=0"
+            )
+        self._kernels: dict[int, tuple[FusedMoEQuantConfig, FusedMoEKernel]] = {}
         self.device = torch.device("meta" if self.writer is not None else "cpu")  # a writer's: shapes only
         with self.device:
             self.native.create_weights(shadow, num_experts=num_experts, **create_args)
@@ -171,6 +179,17 @@ class HostExperts:
         self.layout = layout_of({n: p.data for n, p in shadow.named_parameters(recurse=False)})
         self.expert_map: torch.Tensor | None = None
         self._pinned: set[int] = set()  # data pointers already page-locked (weights can reload)
+
+    def writer_mismatch(self) -> str | None:
+        """How the writer's layout differs from the shadow's (kt-kernel writes through raw
+        pointers), or None; known from the shadow's created weights, before any load."""
+        if self.writer is None:
+            return None
+        theirs = {name: (tuple(shape), dtype) for name, (shape, dtype) in self.layout.items()}
+        ours = self.writer.gpu_layout(len(self.cpu_expert_ids))
+        if theirs == ours:
+            return None
+        return f"the CPU backend writes {ours}, vLLM's {type(self.native).__name__} on the GPU runs {theirs}"
 
     @property
     def copies(self) -> bool:

@@ -37,16 +37,20 @@ from vllm_kt_plugin.hybrid.gpu_prefill import (
     StagingBuffers,
     is_block_fp8,
     native_is_stageable,
+    runs_raw_layout,
 )
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
 from vllm_kt_plugin.settings.catalogue import (
+    BLOCK_FP8,
     GIB,
     GPU_PREFILL_AUTO_MIN_TOKENS,
     GPU_PREFILL_AUTO_MIN_TOKENS_FP8,
+    KT_GPU_LAYOUT_WRITERS,
     LOGGER_NAME,
+    UNQUANTIZED,
 )
 from vllm_kt_plugin.settings.errors import KTConfigError
 
@@ -155,17 +159,15 @@ def _expert_map(layer: RoutedExperts, expert_map: torch.Tensor) -> Iterator[None
         layer._buffers["_expert_map"] = own
 
 
-def _auto_gpu_prefill_min_tokens(staging_refusal: str | None, quant_config: KTHybridConfig) -> int:
-    """KT_GPU_PREFILL_MIN_TOKENS=auto: the H200's break-even for the kt-kernel method where
-    the layer's CPU experts can be staged and the model and host leave room (planning
-    decides); else 0, saying why once."""
+def _auto_gpu_prefill_min_tokens(staging_refusal: str | None, quant_config: KTHybridConfig, break_even: int) -> int:
+    """KT_GPU_PREFILL_MIN_TOKENS=auto: ``break_even`` where the layer's CPU experts can be
+    staged and the model and host leave room (planning decides); else 0, saying why once."""
     refusal = quant_config.layer_plan.gpu_prefill_refusal or staging_refusal
     if refusal is not None:
         if refusal != NO_CUDA_DEVICE:
             logger.info_once("kt-hybrid: GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto) off: %s", refusal)
         return 0
-    fp8 = quant_config.process_settings.method == "FP8"
-    return GPU_PREFILL_AUTO_MIN_TOKENS_FP8 if fp8 else GPU_PREFILL_AUTO_MIN_TOKENS
+    return break_even
 
 
 def _kernel_of(native: FusedMoEMethodBase) -> str:
@@ -312,7 +314,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             return 0
         refusal = self._staging_refusal()
         if threshold is None:
-            threshold = _auto_gpu_prefill_min_tokens(refusal, quant_config)
+            break_even = GPU_PREFILL_AUTO_MIN_TOKENS_FP8 if is_block_fp8(self.native) else GPU_PREFILL_AUTO_MIN_TOKENS
+            threshold = _auto_gpu_prefill_min_tokens(refusal, quant_config, break_even)
             if not threshold:
                 return 0
         elif refusal is not None:
@@ -339,13 +342,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 "GPU prefill stages unquantized experts run by vLLM's Triton (or CPU) MoE kernels and block-FP8 "
                 f"ones; this checkpoint's GPU method is {_kernel_of(self.native)}"
             )
-        writes = self.cpu is None or self.cpu.writes_gpu_layout
-        if self.settings.method != "FP8" or self.moe.tp_size > 1 or not writes:
-            return (
-                "GPU prefill stages block-FP8 experts as kt-kernel's FP8 writes them back: KT_METHOD=FP8 (this "
-                f"checkpoint's default), without tensor parallelism; here KT_METHOD={self.settings.method}, "
-                f"--tensor-parallel-size {self.moe.tp_size}"
-            )
+        rule = "GPU prefill stages block-FP8 experts as kt-kernel's FP8 writes them back, under CUDA, whole"
+        if self.settings.method != "FP8":
+            return f"{rule}: KT_METHOD=FP8 (this checkpoint's default), not {self.settings.method}"
+        if self.moe.tp_size > 1:
+            return f"{rule}: one tensor-parallel rank, not --tensor-parallel-size {self.moe.tp_size}"
+        if self.moe.device.type != "cuda":
+            return f"{rule}: a CUDA device, not {self.moe.device.type}"
+        if self.cpu is not None and not self.cpu.writes_gpu_layout:
+            return f"{rule}: KT_BACKEND={self.settings.backend} (this build) cannot write its FP8 experts back"
         return None
 
     def _refuse_monolithic(self) -> None:
@@ -430,6 +435,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 writer=self._gpu_layout_writer(cuda, params_dtype),
                 moe_backend=BLOCK_FP8_STAGING_BACKEND if cuda and is_block_fp8(self.native) else None,
             )
+            mismatch = self.host.writer_mismatch()
+            if mismatch is not None:  # e.g. biased experts, or other block scales: before any load
+                threshold = self.settings.gpu_prefill_min_tokens
+                raise KTConfigError(
+                    "KT_GPU_PREFILL_MIN_TOKENS", "auto" if threshold is None else str(threshold), mismatch, "0 (off)"
+                )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
         for name, param in layer.named_parameters(recurse=False):
@@ -442,16 +453,14 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         (then GPU prefill keeps no host copy): under CUDA (vLLM's CPU kernels repack
         theirs), whole experts (no tensor parallelism), in the checkpoint's format (BF16
         for unquantized checkpoints, FP8 for block-FP8 ones)."""
-        fits = cuda and self.moe.moe_parallel_config.tp_size == 1
+        fits = cuda and self.moe.tp_size == 1
         writes = self.cpu is not None and self.cpu.writes_gpu_layout
-        if is_block_fp8(self.native):
-            same_format = self.settings.method == "FP8"  # the shadow then runs Triton (see HostExperts)
+        written = KT_GPU_LAYOUT_WRITERS.get(self.settings.method or "")
+        if is_block_fp8(self.native):  # the shadow then runs Triton (see HostExperts)
+            same_format = written == BLOCK_FP8
         else:
-            same_format = (
-                self.settings.method == "BF16"
-                and params_dtype == torch.bfloat16
-                and native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
-            )
+            raw = native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
+            same_format = written == UNQUANTIZED and params_dtype == torch.bfloat16 and raw
         return self.cpu if fits and writes and same_format else None
 
     def _expert_weight_loader(
@@ -611,11 +620,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         """Every routed expert on the GPU: the GPU experts as always, the CPU experts from
         the staging buffer, while the next layer's CPU experts are copied in."""
         assert self.host is not None
-        if self.staging.cuda and self.placement.num_gpu_experts and native_is_stageable(self.native):
-            # vLLM's Triton kernels drop the picks an expert map sends to -1 before any
-            # GEMM: thousands of CPU-expert picks then cost nothing here, where zero
-            # weights would pile them all onto GPU slot 0 (as they do for the kernels of
-            # quantized methods, whose expert maps we have not checked).
+        if self.staging.cuda and self.placement.num_gpu_experts and runs_raw_layout(self.native):
+            # vLLM's Triton kernels (unquantized and block-FP8: the staged shadows run them
+            # so) drop the picks an expert map sends to -1 before any GEMM: thousands of
+            # CPU-expert picks then cost nothing here, where zero weights would pile them
+            # all onto GPU slot 0 (as they still do for other kernels, whose expert maps we
+            # have not checked).
             with _expert_map(layer, self.gpu_slot_of):
                 out = self._native_apply(layer, x, topk_weights, topk_ids)
         else:

@@ -130,8 +130,8 @@ class KTHybridConfig(QuantizationConfig):
             raise KTConfigError(
                 "KT_DYNAMIC_GPU_EXPERTS",
                 str(settings.dynamic_gpu_experts),
-                f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (the backend must write "
-                "any expert in the GPU layout)",
+                f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (its slots hold unquantized "
+                "experts: the backend must write any expert back in BF16)",
                 "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
             )
         return settings, backend

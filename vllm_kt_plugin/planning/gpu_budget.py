@@ -110,10 +110,11 @@ def auto_gpu_prefill_refusal(
     host, or None where it turns it on."""
     if device_total_bytes is None:
         return NO_CUDA_DEVICE
-    if not memory.stageable(kt_method):
+    if not memory.stageable(kt_method, tensor_parallel_size):
         return (
-            "the checkpoint is quantized (GPU prefill stages unquantized experts, and block-FP8 ones with "
-            "KT_METHOD=FP8)"
+            f"the checkpoint is quantized ({memory.checkpoint_format}; GPU prefill stages unquantized experts, and "
+            f"block-FP8 ones with KT_METHOD=FP8 on one tensor-parallel rank; here KT_METHOD={kt_method}, "
+            f"--tensor-parallel-size {tensor_parallel_size})"
         )
     granted = device_total_bytes * gpu_memory_utilization
     if not _staging_fits(memory, granted, tensor_parallel_size):
@@ -122,7 +123,9 @@ def auto_gpu_prefill_refusal(
             f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
             f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
         )
-    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method) + (memory.cpu_expert_bytes(kt_method) or 0)
+    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method, tensor_parallel_size) + (
+        memory.cpu_expert_bytes(kt_method) or 0
+    )
     if ram > AUTO_GPU_PREFILL_MAX_RAM_SHARE * ram_available_bytes:
         return (
             f"its host copy plus kt-kernel's {kt_method} experts need {_gb(ram)} GB, more than "
@@ -133,7 +136,7 @@ def auto_gpu_prefill_refusal(
 
 def wants_staging_reserve(settings: KTSettings, memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
     """Whether auto's GPU budget keeps room for GPU prefill's staging buffers."""
-    if settings.gpu_prefill_min_tokens == 0 or not memory.stageable(settings.method or ""):
+    if settings.gpu_prefill_min_tokens == 0 or not memory.stageable(settings.method or "", tp):
         return False
     if settings.gpu_prefill_min_tokens is None:  # auto: only where it would turn it on
         return _staging_fits(memory, granted_bytes, tp)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import KT_GPU_LAYOUT_WRITERS
+from vllm_kt_plugin.settings.catalogue import BLOCK_FP8, KT_GPU_LAYOUT_WRITERS, UNQUANTIZED
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
@@ -71,20 +71,28 @@ class ModelMemory:
             non_expert_bytes=self.non_expert_bytes * len(layers) // max(1, num_layers),
         )
 
-    def stageable(self, kt_method: str) -> bool:
+    @property
+    def checkpoint_format(self) -> str:
+        return BLOCK_FP8 if self.block_fp8 else UNQUANTIZED if not self.quantized else "quantized"
+
+    def written_back(self, kt_method: str) -> bool:
+        """Whether kt-kernel writes this checkpoint's experts back in the GPU layout with
+        ``kt_method`` (``KT_GPU_LAYOUT_WRITERS``): GPU prefill then keeps no host copy."""
+        return KT_GPU_LAYOUT_WRITERS.get(kt_method.upper()) == self.checkpoint_format
+
+    def stageable(self, kt_method: str, tensor_parallel_size: int = 1) -> bool:
         """Whether GPU prefill can stage this checkpoint's CPU experts with ``kt_method``:
         unquantized ones (a host copy, or BF16 written back by kt-kernel), block-FP8 ones as
-        kt-kernel's FP8 writes them back."""
-        return not self.quantized or (self.block_fp8 and kt_method.upper() == "FP8")
+        kt-kernel's FP8 writes them back (whole experts: one tensor-parallel rank)."""
+        return not self.quantized or (self.written_back(kt_method) and tensor_parallel_size == 1)
 
-    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str) -> int:
+    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str, tensor_parallel_size: int = 1) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format; where kt-kernel writes its own experts in the GPU layout
-        (``KT_GPU_LAYOUT_WRITERS``), two pinned buffers of one layer's CPU experts instead;
-        none where they cannot be staged."""
-        if not self.stageable(kt_method):
+        format; where kt-kernel writes them back, two pinned buffers of one layer's CPU
+        experts instead; none where they cannot be staged."""
+        if not self.stageable(kt_method, tensor_parallel_size):
             return 0
-        layers = 2 if kt_method.upper() in KT_GPU_LAYOUT_WRITERS else self.num_moe_layers
+        layers = 2 if self.written_back(kt_method) else self.num_moe_layers
         return (self.num_experts - gpu_experts_per_layer) * layers * self.expert_bytes
 
     def cpu_expert_bytes(self, kt_method: str) -> int | None:

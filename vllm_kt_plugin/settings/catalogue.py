@@ -28,9 +28,10 @@ RESERVED_CORES = 2
 # KT_GPU_PREFILL_MIN_TOKENS=auto under CUDA: the token count from which one layer's GPU
 # prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
 GPU_PREFILL_AUTO_MIN_TOKENS = 2048
-# ... with kt-kernel's FP8 on a block-FP8 checkpoint: its CPU path is far slower at prefill
-# sizes, and half the bytes stream (H200 FP8 sitting: eight 1,024-token prompts took 4.8 s
-# where a 16,384-token forward on the GPU path took 0.45 s; README, GPU prefill).
+# ... on a block-FP8 checkpoint (kt-kernel's FP8): an estimate, not yet a measured
+# break-even. The FP8 sitting's GPU path cost ~11 ms per layer whatever the size (half the
+# bytes of BF16 stream), where kt-kernel's BF16 kernel takes 20.7 ms per layer at 512
+# tokens (its FP8 kernel is untimed; README, GPU prefill).
 GPU_PREFILL_AUTO_MIN_TOKENS_FP8 = 1024
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
@@ -53,10 +54,12 @@ KT_METHODS = (
 )
 
 # kt-kernel methods whose experts kt-kernel writes back in the layout of vLLM's Triton MoE
-# kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer): BF16 as unquantized
-# checkpoints hold them, FP8 with the 128 x 128 block scales of block-FP8 ones. GPU prefill
-# stages them from kt-kernel's own copy, with no second copy in RAM.
-KT_GPU_LAYOUT_WRITERS = ("BF16", "FP8")
+# kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer), with the checkpoint format
+# they are that layout of: BF16 of unquantized checkpoints, FP8 (with its 128 x 128 block
+# scales) of block-FP8 ones. GPU prefill stages them from kt-kernel's own copy, with no
+# second copy in RAM.
+UNQUANTIZED, BLOCK_FP8 = "unquantized", "block-FP8"
+KT_GPU_LAYOUT_WRITERS = {"BF16": UNQUANTIZED, "FP8": BLOCK_FP8}
 
 # KT_EXPERT_PLACEMENT values: which experts of each layer go to the GPU.
 PLACEMENT_STRATEGIES = ("uniform", "front-loading", "random", "frequency")
@@ -202,9 +205,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
-        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA ({GPU_PREFILL_AUTO_MIN_TOKENS_FP8} with KT_METHOD=FP8; "
-        "the break-evens measured on the H200, README) where the CPU experts can be staged (unquantized on vLLM's "
-        "Triton kernels, or block-FP8) and the staging fits; else off",
+        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, README; "
+        f"{GPU_PREFILL_AUTO_MIN_TOKENS_FP8} on block-FP8 checkpoints, estimated) where the CPU experts can be staged "
+        "(unquantized on vLLM's Triton kernels, or block-FP8 with KT_METHOD=FP8) and the staging fits; else off",
         "auto, or an integer >= 0 (0 = off)",
         "forward passes with at least this many tokens compute every expert on the GPU, "
         "the CPU experts' weights streamed in layer by layer",

@@ -33,7 +33,7 @@ from vllm_kt_plugin.planning.model_memory import moe_layer_indices
 from vllm_kt_plugin.support.tiny_models import GENERATOR_VERSION, tiny_model_dir
 
 FORMATS = ("fp8-block", "ct-int4", "gptq-int4")
-FP8_BLOCK = (128, 128)
+FP8_BLOCK_SHAPE = (128, 128)
 CT_GROUP = 32
 GPTQ_GROUP = 128
 WRITER_VERSION = 2  # in the directory name with the tiny models' version: a change rewrites them
@@ -84,7 +84,7 @@ def _fp8_block(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) ->
 
     out = dict(tensors)
     for name in _linear_names(tensors):
-        weight, scale = per_block_cast_to_fp8(tensors[name].float(), list(FP8_BLOCK))
+        weight, scale = per_block_cast_to_fp8(tensors[name].float(), list(FP8_BLOCK_SHAPE))
         out[name] = weight
         out[name.removesuffix("weight") + "weight_scale_inv"] = scale.float().contiguous()
     return out, fp8_block_config(moe_layers)
@@ -97,7 +97,7 @@ def fp8_block_config(moe_layers: list[int] | tuple[int, ...]) -> dict[str, Any]:
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
-        "weight_block_size": list(FP8_BLOCK),
+        "weight_block_size": list(FP8_BLOCK_SHAPE),
         "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in moe_layers)],
     }
 
@@ -131,7 +131,7 @@ def write_dummy_experts(
             for name, shape in shapes.items():
                 tensors[f"{base}.{name}.weight"] = drawn[name].clone()  # safetensors stores no shared memory
                 if method == "FP8":
-                    blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
+                    blocks = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK_SHAPE, strict=True))
                     tensors[f"{base}.{name}.weight_scale_inv"] = torch.full(blocks, 1e-3, dtype=torch.float32)
         save_file(tensors, out / f"experts-layer-{layer:03d}.safetensors", metadata={"format": "pt"})
         print(

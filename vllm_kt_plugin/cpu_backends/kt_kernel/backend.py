@@ -33,7 +33,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     layer_is_damaged,
     quantize_into_cache,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import FP8_BLOCK, check_weight_files
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files, fp8_blocks
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
@@ -383,7 +383,7 @@ class KTKernelExperts(CPUExperts):
     def write_gpu_layout(self, expert_ids: list[int], weights: Mapping[str, torch.Tensor]) -> None:
         # kt-kernel writes whole experts (its own widths, not split by tensor parallelism)
         # through raw pointers: any other shape or dtype would overrun the rows.
-        layout = self._gpu_layout(len(expert_ids))
+        layout = self.gpu_layout(len(expert_ids))
         for name, (shape, dtype) in layout.items():
             tensor = weights.get(name)
             if tensor is None or tuple(tensor.shape) != shape:
@@ -408,22 +408,21 @@ class KTKernelExperts(CPUExperts):
             )
         self.wrapper.sync_write_weight_scale_to_buffer()
 
-    def _gpu_layout(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """What kt-kernel writes for ``n`` experts: BF16 weights, or FP8 ones with float32
-        scales per 128 x 128 block (checked against the checkpoint's tensors: tests)."""
+    def gpu_layout(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        # BF16 weights, or FP8 ones with float32 scales per 128 x 128 block (checked against
+        # the checkpoint's tensors: tests).
         inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
         if self.method == "BF16":
+            bf16 = torch.bfloat16
+            return {"w13_weight": ((n, 2 * inter, hidden), bf16), "w2_weight": ((n, hidden, inter), bf16)}
+        if self.method == "FP8":
             return {
-                "w13_weight": ((n, 2 * inter, hidden), torch.bfloat16),
-                "w2_weight": ((n, hidden, inter), torch.bfloat16),
+                "w13_weight": ((n, 2 * inter, hidden), torch.float8_e4m3fn),
+                "w13_weight_scale_inv": ((n, 2 * fp8_blocks(inter), fp8_blocks(hidden)), torch.float32),
+                "w2_weight": ((n, hidden, inter), torch.float8_e4m3fn),
+                "w2_weight_scale_inv": ((n, fp8_blocks(hidden), fp8_blocks(inter)), torch.float32),
             }
-        blocks = functools.partial(_blocks, FP8_BLOCK)
-        return {
-            "w13_weight": ((n, 2 * inter, hidden), torch.float8_e4m3fn),
-            "w13_weight_scale_inv": ((n, 2 * blocks(inter), blocks(hidden)), torch.float32),
-            "w2_weight": ((n, hidden, inter), torch.float8_e4m3fn),
-            "w2_weight_scale_inv": ((n, blocks(hidden), blocks(inter)), torch.float32),
-        }
+        raise NotImplementedError(f"kt-kernel writes no {self.method} experts back")
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
@@ -434,10 +433,6 @@ class KTKernelExperts(CPUExperts):
     def sync(self, x: torch.Tensor) -> torch.Tensor:
         # kt-kernel returns one of its reusable buffers: the caller consumes it at once.
         return self.wrapper.sync_forward(x, self._stream)
-
-
-def _blocks(block: int, size: int) -> int:
-    return -(-size // block)
 
 
 @hookimpl

@@ -76,9 +76,14 @@ def read_index(directory: str, *, is_model_dir: bool = False) -> dict[str, Tenso
 FP8_BLOCK = 128  # kt-kernel's FP8 kernel reads 128 x 128 block scales
 
 
+def fp8_blocks(size: int) -> int:
+    """Scale blocks along a dimension of ``size`` (the last one partial)."""
+    return -(-size // FP8_BLOCK)
+
+
 def _fp8_scale_shape(out: int, inn: int, shape: tuple[int, ...]) -> bool:
     """Block scales (one per 128 x 128 block) or per-channel ones ([out] or [out, 1])."""
-    blocks = (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
+    blocks = (fp8_blocks(out), fp8_blocks(inn))
     return shape in (blocks, (out,), (out, 1))
 
 
@@ -113,7 +118,7 @@ class Expected:
     def shown(self, out: int, inn: int) -> str:
         if self.exact is not None:
             return f"{'/'.join(self.dtypes)} {list(self.exact(out, inn))}"
-        blocks = {"blocks_out": -(-out // FP8_BLOCK), "blocks_in": -(-inn // FP8_BLOCK)}
+        blocks = {"blocks_out": fp8_blocks(out), "blocks_in": fp8_blocks(inn)}
         return f"{'/'.join(self.dtypes)} {self.described.format(out=out, inn=inn, **blocks)}"
 
 
