@@ -12,8 +12,8 @@
 # threads to cores 0..n-1 whatever the affinity.
 #   prepare       online-quantized AMX experts of METHODS, made without the GPU
 #   prepare-fp8   fp8-bench's FP8 expert files, written without the GPU
-#   oversub       kt_oversubscription.py: kt-kernel with OVERSUB_THREADS workers beside n busy
-#                 processes (OVERSUB_RUNS "threads:busy ..."), alone on the host -> oversubscription.jsonl
+#   oversub       kt_oversubscription.py: kt-kernel workers beside busy processes, per
+#                 OVERSUB_RUNS "threads:busy ...", alone on the host -> oversubscription.jsonl
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack

@@ -32,7 +32,6 @@ from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_prefill import (
     BLOCK_FP8_STAGING_BACKEND,
-    RAW_LAYOUT_BACKENDS,
     HostExperts,
     StagingBuffers,
     is_block_fp8,
@@ -459,8 +458,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         if is_block_fp8(self.native):  # the shadow then runs Triton (see HostExperts)
             same_format = written == BLOCK_FP8
         else:
-            raw = native_is_stageable(self.native, RAW_LAYOUT_BACKENDS)
-            same_format = written == UNQUANTIZED and params_dtype == torch.bfloat16 and raw
+            same_format = written == UNQUANTIZED and params_dtype == torch.bfloat16 and runs_raw_layout(self.native)
         return self.cpu if fits and writes and same_format else None
 
     def _expert_weight_loader(
