@@ -15,15 +15,16 @@
 #   oversub       kt_oversubscription.py: kt-kernel workers beside busy processes, per
 #                 OVERSUB_RUNS "threads:busy ...", alone on the host -> oversubscription.jsonl
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
+#   layer-dynamic one layer of BF16 experts with KT_DYNAMIC_GPU_EXPERTS: a swap's cost
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
-#   bench         BENCH_SYSTEMS x METHODS with GPU prefill off and BENCH_VARIANTS
-#                 (NAME:KT_A=1[,KT_B=2] each) as extra runs of the first method -> BENCH_JSON
+#   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless
+#                 PREFILL_OFF_CHECK=0) and with BENCH_VARIANTS (NAME:KT_A=1[,KT_B=2] each) -> BENCH_JSON
 #   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
 #   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
-# BENCH_ARGS: extra arguments for every `vllm-kt bench`. Everything goes to $BENCH_OUT;
+# BENCH_ARGS: extra arguments for every `vllm-kt bench` (BENCH_RUN_ARGS: the bench stage's only). Everything goes to $BENCH_OUT;
 # stages.log says when each stage started and ended, DONE marks the end. The host can be
 # taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish
 # a cut sitting later with the missing systems and --append. Block-FP8 engines JIT-compile
@@ -70,6 +71,12 @@ run_layer() {
       --out "$BENCH_OUT/h200_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer.log" 2>&1
 }
 
+run_layer_dynamic() {  # one layer of BF16 experts from files (kt-kernel writes those back): swap cost
+  "${BENCH[@]}" --checkpoint bf16-experts --layers 1 --systems kt-hybrid --layer-only \
+      --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_DYNAMIC_GPU_EXPERTS=1 \
+      --out "$BENCH_OUT/h200_dynamic_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer-dynamic.log" 2>&1
+}
+
 run_gpu_tests() {
   # shellcheck disable=SC2086 - GPU_TEST_FILES is a list of paths
   timeout "${GPU_TESTS_TIMEOUT:-1800}" python3 -m pytest -m gpu ${GPU_TEST_FILES:-tests/engine/test_gpu.py \
@@ -86,8 +93,11 @@ run_bench() {
   wants layer && skip_layer=(--skip-layer)  # timed alone
   for v in ${BENCH_VARIANTS:-defer-1:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1 defer-2:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=2 \
              metrics:KT_METRICS_INTERVAL=2}; do variants+=(--variant "$v"); done
+  local off_check=(--prefill-off-check)
+  # shellcheck disable=SC2086 - BENCH_RUN_ARGS is a list of arguments (this stage's only)
+  [ "${PREFILL_OFF_CHECK:-1}" = 0 ] && off_check=()  # e.g. off everywhere (--kt-env) and a variant turns it on
   "${BENCH[@]}" --systems "${BENCH_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" --methods "${METHODS:-AMXINT4,AMXINT8}" \
-      --prefill-off-check "${variants[@]}" "${skip_layer[@]}" \
+      "${off_check[@]}" "${variants[@]}" "${skip_layer[@]}" ${BENCH_RUN_ARGS:-} \
       --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/bench.log" 2>&1
 }
 

@@ -42,15 +42,30 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
     import time
     import urllib.request
 
+    from openai import OpenAI
+
+    from vllm_kt_plugin.bench.report import large_forwards
+    from vllm_kt_plugin.hybrid.metrics import CPU_PATH, LARGE_FORWARD_TOKENS
+
+    long_tokens = LARGE_FORWARD_TOKENS + 44
+
     model = tiny_model("qwen3_moe")
     log = tmp_path / "serve.log"
     env = clean_env(KT_NUM_GPU_EXPERTS="4", KT_METHOD="BF16", KT_METRICS_INTERVAL="1")
-    with VLLMServer(model, [*SERVE_ARGS, "--quantization", "kt-hybrid", "--api-server-count", "2"], env, log) as server:
+    args = [*SERVE_ARGS, "--max-model-len", "512", "--quantization", "kt-hybrid", "--api-server-count", "2"]
+    with VLLMServer(model, args, env, log) as server:
         ask(server)
         time.sleep(1.5)
         ask(server)  # a forward after the interval triggers the report
+        long_prompt = list(range(100, 100 + long_tokens))  # a prefill-sized forward, logged with its path
+        OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY").completions.create(
+            model="tiny-moe", prompt=long_prompt, max_tokens=1, temperature=0.0
+        )
         body = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read().decode()
-    lines = [line for line in log.read_text().splitlines() if "kt-hybrid metrics:" in line]
+    text = log.read_text()
+    steps = large_forwards(text)  # vLLM's profiling forward at start-up, then the long prompt
+    assert len(steps) == 2 and steps[-1][:2] == [long_tokens, CPU_PATH], text[-3000:]
+    lines = [line for line in text.splitlines() if "kt-hybrid metrics:" in line]
     assert lines, log.read_text()[-3000:]
     assert "3 layers" in lines[-1] and "CPU experts" in lines[-1] and "-bound" in lines[-1]
     samples = [line for line in body.splitlines() if line.startswith("kt_hybrid_cpu_expert_seconds_total{")]

@@ -239,6 +239,31 @@ def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
     assert fill_online_cache(plain, hf_config) == 0
 
 
+def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) -> None:
+    """--kernel-sweep: each MoE layer's own CPU experts (from the cache an engine reads),
+    timed per layer at batch 1 and 16, beside one layer called with one routing."""
+    import json
+
+    from vllm_kt_plugin.bench.kernel_sweep import kernel_sweep
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+
+    if not kernel_available("AMXINT8"):
+        pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
+    hf_config = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 3, "num_experts": 8, "hidden_size": 128}
+    hf_config |= {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf_config))
+    env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER": "1"}
+    result = kernel_sweep(str(model), {**env, "KT_NUM_GPU_EXPERTS": "2"}, tokens=[1, 16], steps=3)
+    assert result["layers"] == 3 and result["cpu_experts_per_layer"] == 6 and result["threads"] == 1
+    assert sorted(result["tokens"]) == ["1", "16"]
+    for n, timing in result["tokens"].items():
+        assert timing["per_layer_ms"] > 0 and timing["same_layer_same_routing_ms"] > 0
+        bound = int(n) / (timing["per_layer_ms"] * 3 / 1e3)
+        assert timing["decode_bound_tok_s"] == pytest.approx(bound, rel=0.01)
+
+
 def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """VLLM_KT_ENGINE_LOCK: while one process starts or stops its engine, another's start
     or stop waits (flock, as a second process would see it); unset, nothing is locked."""

@@ -54,6 +54,28 @@ def test_a_report_never_splits_a_forward(monkeypatch) -> None:
     assert len(lines) == 1 and "2 layers, 2 layer forwards" in lines[0], lines
 
 
+def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> None:
+    """Each prefill-sized forward gives one line (at the first hybrid layer, whatever the
+    order the layers register in), which the bench reads back as the engine's steps."""
+    from vllm_kt_plugin.bench.report import large_forwards
+    from vllm_kt_plugin.hybrid import metrics as module
+    from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, LARGE_FORWARD_TOKENS, HybridMetrics
+
+    lines: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+    metrics = HybridMetrics(3600.0)
+    for layer in (5, 3):
+        metrics.add_layer(layer)
+    for layer in (3, 5):
+        metrics.large_forward(layer, 1024, CPU_PATH)
+    metrics.large_forward(3, LARGE_FORWARD_TOKENS - 1, CPU_PATH)  # decode-sized: nothing
+    metrics.large_forward(3, 7168, GPU_PREFILL_PATH)
+    steps = large_forwards("\n".join(f"(EngineCore pid=1) INFO 12-04 06:29:25 [metrics.py:1] {x}" for x in lines))
+    assert [s[:2] for s in steps] == [[1024, "CPU-experts"], [7168, "GPU-prefill"]], lines
+    assert steps[0][2] == 0.0 and steps[1][2] >= 0.0
+    assert large_forwards("nothing") == []
+
+
 def test_device_clock_sums_become_totals() -> None:
     from vllm_kt_plugin.hybrid.device_clock import ClockSums
     from vllm_kt_plugin.hybrid.metrics import device_totals

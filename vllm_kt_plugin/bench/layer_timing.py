@@ -80,8 +80,32 @@ def layer_benchmark(
                 results["gpu_prefill_break_even_tokens"] = next(
                     (int(n) for n, t in prefill.items() if t["pipelined_ms"] < t["cpu_path_ms"]), None
                 )
+        if method.dynamic is not None:
+            _time_swap(method.dynamic, layer, 1)  # warm-up: the first refresh builds vLLM's shadow layer code
+            results["dynamic_swap_ms"] = {str(k): _time_swap(method.dynamic, layer, k) for k in (1, 8)}
     results["gpu_experts_per_layer"] = method.placement.num_gpu_experts
     return results
+
+
+def _time_swap(dynamic: Any, layer: Any, k: int) -> float:
+    """Milliseconds for one refresh of this layer that moves ``k`` experts each way."""
+    import time
+
+    import torch
+
+    cpu_experts = torch.nonzero(~dynamic.placement.gpu_mask).flatten()[:k]
+    dynamic.counts.zero_()
+    dynamic.counts[cpu_experts.to(dynamic.counts.device)] = 1.0  # these outrank every GPU expert
+    before = dynamic.swapped
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(dynamic.every):  # one of these calls refreshes
+        dynamic.maybe_refresh(layer)
+    torch.cuda.synchronize()
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    if dynamic.swapped - before != k:
+        raise RuntimeError(f"a refresh meant to move {k} experts moved {dynamic.swapped - before}")
+    return round(elapsed_ms, 2)
 
 
 def _routing(n: int, sizes: ModelSizes, gen: Any) -> tuple[Any, Any, Any]:
@@ -161,14 +185,25 @@ def layer_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s
     print(f"[bench] layer benchmark ({env.get('KT_METHOD')}): starting (log: {log_path})", flush=True)
     # GPU prefill on from one token, so the layer builds its host copy; each timing below
     # picks its path by setting the threshold itself.
-    env = {**env, "KT_GPU_PREFILL_MIN_TOKENS": "1", "KT_CHUNKED_PREFILL_SIZE": str(max(PREFILL_TOKENS))}
-    args = {"model_dir": model_dir, "env": env, "tokens": [1, 16], "iters": 200, "prefill_tokens": PREFILL_TOKENS}
-    run = run_child(
-        f"{__name__}:layer_benchmark", args, env={**os.environ, **env}, timeout_s=timeout_s, log_path=log_path
-    )
+    # With dynamic experts (which exclude GPU prefill, and swap at every forward here) it
+    # times the layer's swaps alone.
+    dynamic = env.get("KT_DYNAMIC_GPU_EXPERTS", "0") not in ("", "0")
+    prefill_from = "0" if dynamic else "1"
+    env = {**env, "KT_GPU_PREFILL_MIN_TOKENS": prefill_from, "KT_CHUNKED_PREFILL_SIZE": str(max(PREFILL_TOKENS))}
+    tokens = [] if dynamic else [1, 16]
+    args = {"model_dir": model_dir, "env": env, "tokens": tokens, "iters": 200, "prefill_tokens": PREFILL_TOKENS}
+    return timing_in_child("layer benchmark", f"{__name__}:layer_benchmark", args, env, log_path, timeout_s)
+
+
+def timing_in_child(
+    label: str, target: str, args: dict[str, Any], env: dict[str, str], log_path: Path, timeout_s: int
+) -> dict[str, Any]:
+    """``target`` in a fresh process (its kt-kernel threads, memory and CUDA context go with
+    it): its result, or ``{"error": <the log's tail>}``, said on stdout either way."""
+    run = run_child(target, args, env={**os.environ, **env}, timeout_s=timeout_s, log_path=log_path)
     if run.result is not None:
-        print(f"[bench] layer benchmark: {json.dumps(run.result['tokens'])}", flush=True)
+        print(f"[bench] {label}: {json.dumps(run.result['tokens'])}", flush=True)
         return dict(run.result)
     tail = " | ".join(run.tail(5).splitlines())
-    print(f"[bench] layer benchmark FAILED: {tail[-600:]}", flush=True)
+    print(f"[bench] {label} FAILED: {tail[-600:]}", flush=True)
     return {"error": tail[-1500:]}

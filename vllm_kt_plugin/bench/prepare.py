@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import RunSpec, model_sizes
+from vllm_kt_plugin.bench.engine_runs import ModelSizes, RunSpec, model_sizes
 from vllm_kt_plugin.cpu_backends.base import LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE
@@ -31,17 +31,9 @@ def fill_online_cache(spec: RunSpec, hf_config: dict[str, Any]) -> int:
     quantized = 0
     for layer_idx in sizes.memory.moe_layers:
         started = time.perf_counter()
-        layer = LayerSpec(
-            layer_name=f"model.layers.{layer_idx}.mlp.experts",
-            layer_idx=layer_idx,
-            num_experts=sizes.num_experts,
-            top_k=sizes.top_k,
-            hidden_size=sizes.hidden,
-            intermediate_size=sizes.expert_inter,
-            placement=ExpertPlacement.first_n(sizes.num_experts, 0),  # every expert is quantized anyway
-            chunked_prefill_size=chunk,
-            model=spec.model,
-            load_format=spec.load_format,
+        # every expert is quantized anyway: no GPU experts
+        layer = layer_spec(
+            spec.model, spec.load_format, sizes, layer_idx, ExpertPlacement.first_n(sizes.num_experts, 0), chunk
         )
         if KTKernelExperts(layer, settings).fill_cache():
             quantized += 1
@@ -50,3 +42,22 @@ def fill_online_cache(spec: RunSpec, hf_config: dict[str, Any]) -> int:
                 flush=True,
             )
     return quantized
+
+
+def layer_spec(
+    model: str, load_format: str, sizes: ModelSizes, layer_idx: int, placement: ExpertPlacement, chunk: int
+) -> LayerSpec:
+    """Decoder layer ``layer_idx`` of the shape, as an engine start would hand it to the
+    CPU backend (the same cache folder follows from it)."""
+    return LayerSpec(
+        layer_name=f"model.layers.{layer_idx}.mlp.experts",
+        layer_idx=layer_idx,
+        num_experts=sizes.num_experts,
+        top_k=sizes.top_k,
+        hidden_size=sizes.hidden,
+        intermediate_size=sizes.expert_inter,
+        placement=placement,
+        chunked_prefill_size=chunk,
+        model=model,
+        load_format=load_format,
+    )

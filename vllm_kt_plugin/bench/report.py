@@ -78,6 +78,16 @@ METRICS_LINE = re.compile(
     r"GPU experts ([\d.]+) ms, waiting on the CPU ([\d.]+) ms .*?, ([\d.]+) tokens/forward\)"
 )
 
+LARGE_FORWARD_LINE = re.compile(r"kt-hybrid: a forward of (\d+) tokens took the (\S+) path at ([\d.]+) s")
+
+
+def large_forwards(log_text: str) -> list[list[Any]]:
+    """KT_METRICS_INTERVAL's prefill-sized forwards in an engine log, in order: [tokens, path,
+    seconds since the one before] — how the engine split each batch of prompts into steps,
+    and about how long each took (the first is vLLM's profiling forward at start-up)."""
+    found = [(int(tokens), path, float(at)) for tokens, path, at in LARGE_FORWARD_LINE.findall(log_text)]
+    return [[tokens, path, round(at - (found[i - 1][2] if i else at), 3)] for i, (tokens, path, at) in enumerate(found)]
+
 
 def layer_metrics(log_text: str) -> dict[str, dict[str, float]]:
     """KT_METRICS_INTERVAL's lines in an engine log, by batch: the per-layer-forward CPU

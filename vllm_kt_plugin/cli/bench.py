@@ -28,6 +28,7 @@ from vllm_kt_plugin.bench.engine_runs import (
     run_in_child,
     system_order,
 )
+from vllm_kt_plugin.bench.kernel_sweep import sweep_in_child
 from vllm_kt_plugin.bench.layer_timing import layer_in_child
 from vllm_kt_plugin.bench.load_runs import load_run
 from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
@@ -73,6 +74,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         return run_load(args, runs, report, log_dir)
     if args.layer_only:
         return run_layer_only(runs, report, workdir, args)
+    if args.kernel_sweep:
+        sweep_kernels(runs, report, log_dir, args)
     for spec in runs:
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
@@ -124,6 +127,17 @@ def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[st
     report["prepared"] = {spec.name: fill_online_cache(spec, hf_config) for spec in runs}
     print(f"[bench] prepared (layers quantized per run): {report['prepared']}", flush=True)
     return report
+
+
+def sweep_kernels(runs: list[RunSpec], report: dict[str, Any], log_dir: Path, args: argparse.Namespace) -> None:
+    """--kernel-sweep: bare kt-kernel through all layers, per kt-hybrid method, before any
+    engine (alone on the host)."""
+    for spec in runs:
+        if spec.system == "kt-hybrid" and not spec.variant and not spec.enforce_eager:
+            report.setdefault("kernel_sweep", {})[spec.method] = sweep_in_child(
+                spec.model, spec.env, log_dir, args.timeout
+            )
+            save(report, args.out)
 
 
 def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
@@ -286,6 +300,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only make what the kt-hybrid runs' first start would (online-quantized CPU experts in "
         "KT_CACHE_DIR, the expert files of --checkpoint fp8-block or bf16-experts), without the GPU; no measurements",
+    )
+    parser.add_argument(
+        "--kernel-sweep",
+        action="store_true",
+        help="first time bare kt-kernel decode through every layer, per kt-hybrid method (the kernel's own "
+        "speed for the whole model, against one layer's cached speed)",
     )
     parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"

@@ -38,6 +38,11 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever the interval
+# Prefill-sized forwards are logged one by one, with the path they took (CPU experts or GPU
+# prefill) and when: how vLLM split a batch of prompts into steps decides which path each
+# step takes, and no per-layer average shows it. Never inside graph replays (decode).
+LARGE_FORWARD_TOKENS = 256
+CPU_PATH, GPU_PREFILL_PATH = "CPU-experts", "GPU-prefill"
 
 
 @dataclass
@@ -129,6 +134,12 @@ class HybridMetrics:
 
             self.clock = DeviceClock(x.device, self.layers)
         return _DeviceProbe(self.clock, layer_idx, x.shape[0])
+
+    def large_forward(self, layer_idx: int, tokens: int, path: str) -> None:
+        """Log a prefill-sized forward once, at the first hybrid layer (its Python runs
+        when the step is queued: consecutive lines are about a step apart)."""
+        if tokens >= LARGE_FORWARD_TOKENS and self.layers and layer_idx == min(self.layers):
+            logger.info("kt-hybrid: a forward of %d tokens took the %s path at %.3f s", tokens, path, time.monotonic())
 
     def add_host(self, layer_idx: int, totals: LayerTotals) -> None:
         """A host-timed layer forward; published for the report with the forward's last layer,

@@ -38,7 +38,7 @@ from vllm_kt_plugin.hybrid.gpu_prefill import (
     native_is_stageable,
     runs_raw_layout,
 )
-from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
@@ -590,7 +590,10 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self.dynamic.observe(topk_ids)
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
-        if self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing():
+        staged = self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing()
+        if self.metrics is not None and self.cpu is not None and not _capturing():
+            self.metrics.large_forward(self.layer_idx, x.shape[0], GPU_PREFILL_PATH if staged else CPU_PATH)
+        if staged:
             return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
         probe = self.metrics.probe(self.layer_idx, x) if self.metrics is not None and self.cpu is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
