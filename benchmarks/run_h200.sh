@@ -24,6 +24,8 @@
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
 #   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
+# The lent host goes back after ~30 s without a command (a second sitting of 2026-12-04 lost its
+# first 9 minutes so): poll with commands that wait on the host (`sleep 120; tail ...`), back to back.
 # BENCH_ARGS: extra arguments for every `vllm-kt bench` (BENCH_RUN_ARGS: the bench stage's only). Everything goes to $BENCH_OUT;
 # stages.log says when each stage started and ended, DONE marks the end. The host can be
 # taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish

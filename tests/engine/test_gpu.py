@@ -131,11 +131,12 @@ def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: 
     short-prompt tokens plus the long prompt's start) and the 180-token prompt compute the
     CPU experts on the GPU from the streamed weights — written by kt-kernel (BF16) or from
     the pinned host copy (AMXINT8) — decode replays graphs on the CPU path; the tokens
-    equal those with GPU prefill off."""
+    equal those with GPU prefill off, up to a tie (the 180-token prompt opens on one, which
+    vLLM's GPU kernel and kt-kernel's AMX BF16 break apart: H200, 2026-12-04)."""
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
     kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": method, "KT_CACHE_DIR": str(tmp_path)}
     on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm)
     off = generate(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
     assert "kt-hybrid: GPU prefill ran" in log and source in log
-    assert ids(on) == ids(off)
+    assert_same_greedy_tokens(on, off)

@@ -35,6 +35,8 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         ax.set_xticks(range(len(runs)), labels, fontsize=7)
         ax.set_title(f"{title} (tok/s)")
         ax.set_yscale("log")
+        if any(values):  # at least a decade, from below: bars of close values look close
+            ax.set_ylim(min(min(v for v in values if v), max(values) / 10) / 2, max(values) * 2)
     fig.suptitle(f"{report['model']} on {report['host'].get('gpu', 'GPU')}: tokens/s (log scale)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
