@@ -96,8 +96,8 @@ run_bench() {
   for v in ${BENCH_VARIANTS:-defer-1:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1 defer-2:KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=2 \
              metrics:KT_METRICS_INTERVAL=2}; do variants+=(--variant "$v"); done
   local off_check=(--prefill-off-check)
-  # shellcheck disable=SC2086 - BENCH_RUN_ARGS is a list of arguments (this stage's only)
   [ "${PREFILL_OFF_CHECK:-1}" = 0 ] && off_check=()  # e.g. off everywhere (--kt-env) and a variant turns it on
+  # shellcheck disable=SC2086 - BENCH_RUN_ARGS is a list of arguments (this stage's only)
   "${BENCH[@]}" --systems "${BENCH_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" --methods "${METHODS:-AMXINT4,AMXINT8}" \
       "${off_check[@]}" "${variants[@]}" "${skip_layer[@]}" ${BENCH_RUN_ARGS:-} \
       --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/bench.log" 2>&1

@@ -52,6 +52,7 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
     model = tiny_model("qwen3_moe")
     log = tmp_path / "serve.log"
     env = clean_env(KT_NUM_GPU_EXPERTS="4", KT_METHOD="BF16", KT_METRICS_INTERVAL="1")
+    # --max-model-len again (argparse keeps the last): room for a prefill-sized prompt
     args = [*SERVE_ARGS, "--max-model-len", "512", "--quantization", "kt-hybrid", "--api-server-count", "2"]
     with VLLMServer(model, args, env, log) as server:
         ask(server)
@@ -63,8 +64,8 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
         )
         body = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read().decode()
     text = log.read_text()
-    steps = large_forwards(text)  # vLLM's profiling forward at start-up, then the long prompt
-    assert len(steps) == 2 and steps[-1][:2] == [long_tokens, CPU_PATH], text[-3000:]
+    steps = large_forwards(text)  # vLLM's profiling forward at start-up, ..., the long prompt
+    assert steps and steps[-1][:2] == [long_tokens, CPU_PATH], text[-3000:]
     lines = [line for line in text.splitlines() if "kt-hybrid metrics:" in line]
     assert lines, log.read_text()[-3000:]
     assert "3 layers" in lines[-1] and "CPU experts" in lines[-1] and "-bound" in lines[-1]

@@ -204,10 +204,12 @@ def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
     out = tmp_path / "fp8.json"
     earlier = {"model": "qwen3-30b-a3b", "load_format": "dummy", "target_gpu_weight_gb": 5.0}
     earlier |= {"checkpoint": "fp8-block", "layers": 24, "command": "vllm-kt bench --systems vllm-gpu"}
-    out.write_text(json.dumps({**earlier, "runs": [{"system": "vllm-gpu"}]}))
+    sweep = {"AMXINT4": {"layers": 48}}
+    out.write_text(json.dumps({**earlier, "runs": [{"system": "vllm-gpu"}], "kernel_sweep": sweep}))
     report = {**earlier, "command": "vllm-kt bench --systems kt-hybrid --append", "runs": []}
     continue_sitting(report, out)
     assert report["runs"] == [{"system": "vllm-gpu"}] and "command" not in report
+    assert report["kernel_sweep"] == sweep  # kept: a later --kernel-sweep adds its methods
     assert report["commands"] == ["vllm-kt bench --systems vllm-gpu", "vllm-kt bench --systems kt-hybrid --append"]
     with pytest.raises(SystemExit, match="layers 24 != 48"):
         continue_sitting({**report, "layers": 48}, out)
@@ -239,6 +241,14 @@ def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
     assert fill_online_cache(plain, hf_config) == 0
 
 
+def test_kernel_sweep_only_before_engines() -> None:
+    from vllm_kt_plugin.cli.bench import run_sitting
+
+    for mode in ("--prepare-only", "--layer-only"):
+        with pytest.raises(SystemExit, match="--kernel-sweep"):
+            run_sitting(args("--kernel-sweep", mode))
+
+
 def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) -> None:
     """--kernel-sweep: each MoE layer's own CPU experts (from the cache an engine reads),
     timed per layer at batch 1 and 16, beside one layer called with one routing."""
@@ -255,7 +265,7 @@ def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) ->
     model.mkdir()
     (model / "config.json").write_text(json.dumps(hf_config))
     env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER": "1"}
-    result = kernel_sweep(str(model), {**env, "KT_NUM_GPU_EXPERTS": "2"}, tokens=[1, 16], steps=3)
+    result = kernel_sweep(str(model), "dummy", {**env, "KT_NUM_GPU_EXPERTS": "2"}, tokens=[1, 16], steps=3)
     assert result["layers"] == 3 and result["cpu_experts_per_layer"] == 6 and result["threads"] == 1
     assert sorted(result["tokens"]) == ["1", "16"]
     for n, timing in result["tokens"].items():

@@ -48,15 +48,42 @@ def test_a_report_never_splits_a_forward(monkeypatch) -> None:
             assert metrics.totals() == {}  # half a forward: nothing to report yet
         probe.synced()
     totals = metrics.totals()
-    assert sorted(totals) == [1, 2] and all(t.forwards == 1 and t.tokens == 4 for t in totals.values())
+    assert sorted(totals) == [(1, 4), (2, 4)] and all(t.forwards == 1 and t.tokens == 4 for t in totals.values())
     metrics.report(metrics.last_report + 1.0)
     metrics.report(metrics.last_report + 1.0)  # nothing new: no line
     assert len(lines) == 1 and "2 layers, 2 layer forwards" in lines[0], lines
 
 
+def test_a_report_gives_each_batch_size_its_line(monkeypatch) -> None:
+    """A window of batch-1 decode also holds the prompts' prefill forwards: each batch size
+    gets its own line, so the bench reads whole-number batches from every window."""
+    import torch
+
+    from vllm_kt_plugin.bench.report import layer_metrics
+    from vllm_kt_plugin.hybrid import metrics as module
+    from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+
+    lines: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+    metrics = HybridMetrics(3600.0)
+    for layer in (1, 2):
+        metrics.add_layer(layer)
+    for tokens in (32, 1, 1, 1):  # a prompt's prefill, then three decode steps
+        for layer in (1, 2):
+            probe = metrics.probe(layer, torch.zeros(tokens, 8))
+            probe.submitted()
+            probe.gpu_done()
+            probe.synced()
+    metrics.report(metrics.last_report + 1.0)
+    assert len(lines) == 2, lines
+    parsed = layer_metrics("\n".join(f"(EngineCore pid=1) INFO [metrics.py:1] {line}" for line in lines))
+    assert {size: m["layer_forwards"] for size, m in parsed.items()} == {"1": 6, "32": 2}
+
+
 def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> None:
-    """Each prefill-sized forward gives one line (at the first hybrid layer, whatever the
-    order the layers register in), which the bench reads back as the engine's steps."""
+    """Each prefill-sized or GPU-prefill forward gives one line (at the first hybrid layer,
+    whatever the order the layers register in), which the bench reads back as the engine's
+    steps."""
     from vllm_kt_plugin.bench.report import large_forwards
     from vllm_kt_plugin.hybrid import metrics as module
     from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, LARGE_FORWARD_TOKENS, HybridMetrics
@@ -70,9 +97,10 @@ def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> 
         metrics.large_forward(layer, 1024, CPU_PATH)
     metrics.large_forward(3, LARGE_FORWARD_TOKENS - 1, CPU_PATH)  # decode-sized: nothing
     metrics.large_forward(3, 7168, GPU_PREFILL_PATH)
+    metrics.large_forward(3, 32, GPU_PREFILL_PATH)  # GPU prefill below the size: still logged
     steps = large_forwards("\n".join(f"(EngineCore pid=1) INFO 12-04 06:29:25 [metrics.py:1] {x}" for x in lines))
-    assert [s[:2] for s in steps] == [[1024, "CPU-experts"], [7168, "GPU-prefill"]], lines
-    assert steps[0][2] == 0.0 and steps[1][2] >= 0.0
+    assert [s[:2] for s in steps] == [[1024, "CPU-experts"], [7168, "GPU-prefill"], [32, "GPU-prefill"]], lines
+    assert steps[0][2] == 0.0
     assert large_forwards("nothing") == []
 
 
@@ -97,21 +125,24 @@ cuda.globaltimer = lambda: tl.core.tensor(
 )
 from vllm_kt_plugin.hybrid.device_clock import DeviceClock
 
+import vllm_kt_plugin.hybrid.device_clock as module
+module.SIZES = 3  # two batch sizes of their own, the rest together
 clock = DeviceClock(torch.device("cpu"), [3, 5])
-for tokens in (16, 8):
+for tokens in (16, 8, 16, 2, 4):
     for layer in (3, 5):
         clock.before_submit(layer, tokens)
         clock.after_gpu_experts(layer, tokens)
         if layer == 3:
             clock.after_gpu_experts(layer, tokens)  # a second GPU interval: 14 ns in all
         clock.after_sync(layer, tokens)
-print(json.dumps({layer: list(sums) for layer, sums in clock.read().items()}))
+print(json.dumps({f"{layer}/{size}": list(sums) for (layer, size), sums in clock.read().items()}))
 """
 
 
 def test_device_clock_kernel_in_triton_interpreter() -> None:
     """The clock's Triton kernel, run by Triton's interpreter with a fake %globaltimer: each
-    phase adds the time since the last stamp to its field, the sync counts the forward and
+    phase adds the time since the last stamp to its field of the layer's and batch size's
+    sums (sizes past the slots share the last one, key 0), the sync counts the forward and
     its tokens, and the last layer publishes the sums to the host mirror."""
     import json
     import os
@@ -123,4 +154,11 @@ def test_device_clock_kernel_in_triton_interpreter() -> None:
     out = subprocess.run([sys.executable, "-c", CLOCK_IN_INTERPRETER], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     sums = json.loads(out.stdout.strip().splitlines()[-1])
-    assert sums == {"3": [4 * 7, 2 * 7, 2, 24], "5": [2 * 7, 2 * 7, 2, 24]}
+    assert sums == {
+        "3/16": [4 * 7, 2 * 7, 2, 32],
+        "3/8": [2 * 7, 1 * 7, 1, 8],
+        "3/0": [4 * 7, 2 * 7, 2, 6],
+        "5/16": [2 * 7, 2 * 7, 2, 32],
+        "5/8": [1 * 7, 1 * 7, 1, 8],
+        "5/0": [2 * 7, 2 * 7, 2, 6],
+    }

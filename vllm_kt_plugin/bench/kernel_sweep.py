@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.bench.engine_runs import model_sizes
-from vllm_kt_plugin.bench.layer_timing import timing_in_child
+from vllm_kt_plugin.bench.layer_timing import random_routing, timing_in_child
 
 SWEEP_TOKENS = (1, 16)  # decode at batch 1 and 16, as the engine runs measure it
 SWEEP_STEPS = 20
 
 
-def kernel_sweep(model_dir: str, env: dict[str, str], tokens: list[int], steps: int) -> dict[str, Any]:
+def kernel_sweep(
+    model_dir: str, load_format: str, env: dict[str, str], tokens: list[int], steps: int
+) -> dict[str, Any]:
     """Times bare kt-kernel over all MoE layers (runs in the child process; CUDA tensors and
     stream where there is a GPU, kt-kernel's synchronous path where not)."""
     import torch
@@ -37,7 +39,7 @@ def kernel_sweep(model_dir: str, env: dict[str, str], tokens: list[int], steps: 
     started = time.perf_counter()
     layers = []
     for layer_idx in sizes.memory.moe_layers:
-        spec = layer_spec(model_dir, "dummy", sizes, layer_idx, placement, settings.chunked_prefill_size or 1024)
+        spec = layer_spec(model_dir, load_format, sizes, layer_idx, placement, settings.chunked_prefill_size or 1024)
         experts = KTKernelExperts(spec, settings)
         experts.finalize_weights(0)
         layers.append(experts)
@@ -52,7 +54,7 @@ def kernel_sweep(model_dir: str, env: dict[str, str], tokens: list[int], steps: 
     }
     for n in tokens:
         x = (torch.randn(n, sizes.hidden, device=device, generator=gen) * 0.1).to(torch.bfloat16)
-        routes = [_routing(n, sizes.num_experts, sizes.top_k, gen, device) for _ in range(steps * len(layers))]
+        routes = [random_routing(n, sizes.num_experts, sizes.top_k, gen, device) for _ in range(steps * len(layers))]
         sweep = [list(zip(layers, routes[s * len(layers) : (s + 1) * len(layers)], strict=True)) for s in range(steps)]
         same = [[(layers[0], routes[0])] * len(layers)] * steps
         per_layer_ms = _timed_ms(x, sweep, device) / len(layers)
@@ -62,14 +64,6 @@ def kernel_sweep(model_dir: str, env: dict[str, str], tokens: list[int], steps: 
             "decode_bound_tok_s": round(n / (per_layer_ms * len(layers) / 1e3), 1),
         }
     return results
-
-
-def _routing(n: int, num_experts: int, top_k: int, gen: Any, device: Any) -> tuple[Any, Any]:
-    import torch
-
-    logits = torch.randn(n, num_experts, device=device, generator=gen)
-    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
-    return ids.to(torch.int32), weights
 
 
 def _timed_ms(x: Any, steps: list[list[tuple[Any, tuple[Any, Any]]]], device: Any) -> float:
@@ -93,8 +87,13 @@ def _timed_ms(x: Any, steps: list[list[tuple[Any, tuple[Any, Any]]]], device: An
     return (time.perf_counter() - started) * 1e3 / len(steps)
 
 
-def sweep_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s: int) -> dict[str, Any]:
+def sweep_in_child(
+    model_dir: str, load_format: str, env: dict[str, str], log_dir: Path, timeout_s: int
+) -> dict[str, Any]:
+    """``kernel_sweep`` in a fresh process: its kt-kernel threads and memory go with it, and
+    the engines after it start on a quiet host."""
     log_path = log_dir / f"sweep-{env.get('KT_METHOD', '').lower()}.log"
     print(f"[bench] kernel sweep ({env.get('KT_METHOD')}): starting (log: {log_path})", flush=True)
-    args = {"model_dir": model_dir, "env": env, "tokens": list(SWEEP_TOKENS), "steps": SWEEP_STEPS}
+    args = {"model_dir": model_dir, "load_format": load_format, "env": env, "tokens": list(SWEEP_TOKENS)}
+    args["steps"] = SWEEP_STEPS
     return timing_in_child("kernel sweep", f"{__name__}:kernel_sweep", args, env, log_path, timeout_s)

@@ -112,9 +112,18 @@ def _routing(n: int, sizes: ModelSizes, gen: Any) -> tuple[Any, Any, Any]:
     import torch
 
     x = (torch.randn(n, sizes.hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-    logits = torch.randn(n, sizes.num_experts, device="cuda", generator=gen)
-    weights, ids = torch.softmax(logits, -1).topk(sizes.top_k, dim=-1)
-    return x, weights, ids.to(torch.int32)
+    ids, weights = random_routing(n, sizes.num_experts, sizes.top_k, gen, torch.device("cuda"))
+    return x, weights, ids
+
+
+def random_routing(n: int, num_experts: int, top_k: int, gen: Any, device: Any) -> tuple[Any, Any]:
+    """Top-k expert ids (int32, as vLLM's router gives them) and weights of ``n`` tokens,
+    drawn near-uniformly as dummy weights route."""
+    import torch
+
+    logits = torch.randn(n, num_experts, device=device, generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return ids.to(torch.int32), weights
 
 
 def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:

@@ -80,23 +80,23 @@ METRICS_LINE = re.compile(
     r"GPU experts ([\d.]+) ms, waiting on the CPU ([\d.]+) ms .*?, ([\d.]+) tokens/forward\)"
 )
 
-LARGE_FORWARD_LINE = re.compile(r"kt-hybrid: a forward of (\d+) tokens took the (\S+) path at ([\d.]+) s")
+LARGE_FORWARD_LINE = re.compile(r"kt-hybrid: a forward of (\d+) tokens takes the (\S+) path \(queued at ([\d.]+) s")
 
 
 def large_forwards(log_text: str) -> list[list[Any]]:
     """KT_METRICS_INTERVAL's prefill-sized forwards in an engine log, in order: [tokens, path,
-    seconds since the one before] — how the engine split each batch of prompts into steps,
-    and about how long each took (the first is vLLM's profiling forward at start-up)."""
+    seconds since the one before was queued] — how the engine split each batch of prompts into
+    steps (the first is vLLM's profiling forward at start-up). Queue times, not run times:
+    vLLM may queue a step before the one before has run."""
     found = [(int(tokens), path, float(at)) for tokens, path, at in LARGE_FORWARD_LINE.findall(log_text)]
     return [[tokens, path, round(at - (found[i - 1][2] if i else at), 3)] for i, (tokens, path, at) in enumerate(found)]
 
 
 def layer_metrics(log_text: str) -> dict[str, dict[str, float]]:
     """KT_METRICS_INTERVAL's lines in an engine log, by batch: the per-layer-forward CPU
-    experts / GPU experts / wait times of the windows whose mean tokens per forward is a whole
-    number — decode at batch 1 or 16 inside CUDA graphs; a window that mixed sizes into a whole
-    mean would count too (rare: the lines carry no minimum or maximum) — weighted by their
-    forwards. Where decode time goes, per layer, at default settings."""
+    experts / GPU experts / wait times (a line per batch size and window, weighted by their
+    forwards; the line of the sizes beyond the clock's slots has a mixed mean, left out unless
+    it happens to be whole). Where decode time goes, per layer, at default settings."""
     sums: dict[str, list[float]] = {}
     for forwards, cpu, gpu, wait, tokens in METRICS_LINE.findall(log_text):
         if float(tokens) != int(float(tokens)):

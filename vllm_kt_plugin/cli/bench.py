@@ -38,6 +38,10 @@ from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_experts
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
+    if args.kernel_sweep and (args.prepare_only or args.load or args.layer_only):
+        raise SystemExit(
+            "--kernel-sweep times kt-kernel before a sitting's engines: not with --prepare-only, --load or --layer-only"
+        )
     workdir = Path(args.workdir).expanduser()
     log_dir = workdir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +120,8 @@ def continue_sitting(report: dict[str, Any], out: Path) -> None:
     if differ:
         raise SystemExit(f"--append: {out} holds another sitting's runs ({'; '.join(differ)})")
     report["runs"] = earlier["runs"]
+    if "kernel_sweep" in earlier:  # this invocation's sweeps are added to it
+        report["kernel_sweep"] = earlier["kernel_sweep"]
     report["commands"] = earlier.get("commands", [earlier["command"]]) + [report.pop("command")]
 
 
@@ -132,12 +138,13 @@ def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[st
 def sweep_kernels(runs: list[RunSpec], report: dict[str, Any], log_dir: Path, args: argparse.Namespace) -> None:
     """--kernel-sweep: bare kt-kernel through all layers, per kt-hybrid method, before any
     engine (alone on the host)."""
-    for spec in runs:
-        if spec.system == "kt-hybrid" and not spec.variant and not spec.enforce_eager:
-            report.setdefault("kernel_sweep", {})[spec.method] = sweep_in_child(
-                spec.model, spec.env, log_dir, args.timeout
-            )
-            save(report, args.out)
+    plain = [spec for spec in runs if spec.system == "kt-hybrid" and not spec.variant and not spec.enforce_eager]
+    if not plain:
+        print("[bench] --kernel-sweep: no kt-hybrid run to take the CPU experts of: no sweep", flush=True)
+    for spec in plain:
+        sweep = sweep_in_child(spec.model, spec.load_format, spec.env, log_dir, args.timeout)
+        report.setdefault("kernel_sweep", {})[spec.method] = sweep
+        save(report, args.out)
 
 
 def expert_files(args: argparse.Namespace, model: str, hf_config: dict[str, Any], sizes: ModelSizes) -> str | None:
@@ -304,8 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel-sweep",
         action="store_true",
-        help="first time bare kt-kernel decode through every layer, per kt-hybrid method (the kernel's own "
-        "speed for the whole model, against one layer's cached speed)",
+        help="before the engines, time bare kt-kernel decode through every layer, per kt-hybrid method (the "
+        "kernel's own speed for the whole model, against one layer's cached speed)",
     )
     parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"

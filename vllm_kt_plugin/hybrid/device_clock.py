@@ -1,11 +1,13 @@
 """A clock on the GPU's own timeline, for KT_METRICS_INTERVAL inside CUDA graphs.
 
-A CUDA-graph replay runs no Python, so host clocks and CUDA events recorded from Python
-see nothing of decode at vLLM's default settings. Instead each hybrid layer enqueues three
-one-thread Triton kernels on its stream — before the submit, after the GPU experts, after
-the sync — that read NVIDIA's ``%globaltimer`` (ns) and add the intervals to per-layer sums
-in device memory. Kernels are captured like any other, so replays time themselves. The last
-hybrid layer of a forward copies the sums into pinned host memory (one small D2H copy, also
+A CUDA-graph replay runs no Python, so host clocks and CUDA events recorded from Python see
+nothing of decode at vLLM's default settings. Instead each hybrid layer enqueues three one-
+thread Triton kernels on its stream — before the submit, after the GPU experts, after the
+sync — that read NVIDIA's ``%globaltimer`` (ns) and add the intervals to sums in device
+memory, per layer and batch size (a captured graph has one size, known when it is captured:
+a report window that mixes decode steps with a prefill still gives each size its own
+figure). Kernels are captured like any other, so replays time themselves. The last hybrid
+layer of a forward copies the sums into pinned host memory (one small D2H copy, also
 captured), where a reporting thread reads them without any CUDA call (CUDA forbids some
 calls from other threads while vLLM captures graphs). Imported under CUDA only (Triton).
 """
@@ -18,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-FIELDS = 4  # per layer, in this order: ClockSums
+FIELDS = 4  # per layer and batch size, in this order: ClockSums
+SIZES = 32  # batch sizes kept apart per layer: the first SIZES - 1 seen, the rest together
+MIXED_SIZES = 0  # the batch-size key of the shared slot
 
 
 class ClockSums(NamedTuple):
@@ -29,32 +33,40 @@ class ClockSums(NamedTuple):
 
 
 @triton.jit
-def _tick(stamps, sums, slot, tokens, phase: tl.constexpr):
+def _tick(stamps, sums, stamp_slot, sum_slot, tokens, phase: tl.constexpr):
     """phase 0: stamp; 1: add the time since the stamp to gpu_ns; 2: to wait_ns, and count
     the forward and its tokens. Every phase stamps again."""
     now = tl.extra.cuda.globaltimer()
     if phase != 0:
-        base = slot * 4
+        base = sum_slot * 4
         field = base + phase - 1
-        tl.store(sums + field, tl.load(sums + field) + (now - tl.load(stamps + slot)))
+        tl.store(sums + field, tl.load(sums + field) + (now - tl.load(stamps + stamp_slot)))
         if phase == 2:
             tl.store(sums + base + 2, tl.load(sums + base + 2) + 1)
             tl.store(sums + base + 3, tl.load(sums + base + 3) + tokens)
-    tl.store(stamps + slot, now)
+    tl.store(stamps + stamp_slot, now)
 
 
 class DeviceClock:
-    """Per-layer interval sums on one CUDA device, mirrored to pinned host memory."""
+    """Interval sums per layer and batch size on one CUDA device, mirrored to pinned host
+    memory (all allocated at once: captured graphs keep the addresses)."""
 
     def __init__(self, device: torch.device, layers: list[int]) -> None:
         self.slot_of = {layer: slot for slot, layer in enumerate(sorted(layers))}
+        self.size_slot: dict[int, int] = {}  # batch size -> its slot, in the order first seen
         self.last_layer = max(layers)
         self.stamps = torch.zeros(len(layers), dtype=torch.int64, device=device)
-        self.sums = torch.zeros(len(layers) * FIELDS, dtype=torch.int64, device=device)
-        self.mirror = torch.zeros(len(layers) * FIELDS, dtype=torch.int64, pin_memory=self.stamps.is_cuda)
+        self.sums = torch.zeros(len(layers) * SIZES * FIELDS, dtype=torch.int64, device=device)
+        self.mirror = torch.zeros(len(layers) * SIZES * FIELDS, dtype=torch.int64, pin_memory=self.stamps.is_cuda)
+
+    def _sum_slot(self, layer_idx: int, tokens: int) -> int:
+        if tokens not in self.size_slot and len(self.size_slot) < SIZES - 1:
+            self.size_slot[tokens] = len(self.size_slot)
+        return self.slot_of[layer_idx] * SIZES + self.size_slot.get(tokens, SIZES - 1)
 
     def _tick(self, layer_idx: int, phase: int, tokens: int) -> None:
-        _tick[(1,)](self.stamps, self.sums, self.slot_of[layer_idx], tokens, phase=phase, num_warps=1)
+        stamp, sums = self.slot_of[layer_idx], self._sum_slot(layer_idx, tokens)
+        _tick[(1,)](self.stamps, self.sums, stamp, sums, tokens, phase=phase, num_warps=1)
 
     def before_submit(self, layer_idx: int, tokens: int) -> None:
         self._tick(layer_idx, 0, tokens)
@@ -67,7 +79,17 @@ class DeviceClock:
         if layer_idx == self.last_layer:
             self.mirror.copy_(self.sums, non_blocking=True)
 
-    def read(self) -> dict[int, ClockSums]:
-        """The sums as last copied, per layer (reads host memory only)."""
+    def read(self) -> dict[tuple[int, int], ClockSums]:
+        """The sums as last copied, by (layer, batch size) — MIXED_SIZES for the shared slot —
+        where a forward was counted (reads host memory only)."""
         values = self.mirror.tolist()
-        return {layer: ClockSums(*values[slot * FIELDS : (slot + 1) * FIELDS]) for layer, slot in self.slot_of.items()}
+        seen = list(self.size_slot.items())  # one C call: the forward thread may add a size meanwhile
+        sizes = {**{slot: size for size, slot in seen}, SIZES - 1: MIXED_SIZES}
+        found = {}
+        for layer, layer_slot in self.slot_of.items():
+            for size_slot, size in sizes.items():
+                start = (layer_slot * SIZES + size_slot) * FIELDS
+                sums = ClockSums(*values[start : start + FIELDS])
+                if sums.forwards:
+                    found[(layer, size)] = sums
+        return found

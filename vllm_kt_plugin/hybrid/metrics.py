@@ -14,12 +14,14 @@ layer waits for them, an upper bound when they finish under the GPU work. A laye
 CPU-bound when it waits. On CUDA the points are kernels reading the GPU's clock
 (``device_clock``), so CUDA-graph replays — decode at vLLM's default settings — are timed
 too. On the CPU platform the submit computes synchronously, so host clocks give the CPU
-experts' time itself, all of it waited for. A reporting thread sums the last interval up:
+experts' time itself, all of it waited for. A reporting thread sums the last interval up, a
+line per batch size (a window of batch-1 decode also holds the prompts' prefill forwards):
 Python runs in no replay, so nothing on the forward path could.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,9 +40,10 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever the interval
-# Prefill-sized forwards are logged one by one, with the path they took (CPU experts or GPU
-# prefill) and when: how vLLM split a batch of prompts into steps decides which path each
-# step takes, and no per-layer average shows it. Never inside graph replays (decode).
+# Prefill-sized forwards (and every GPU-prefill forward) are logged one by one, with their path
+# (CPU experts or GPU prefill) and when they were queued: how vLLM split a batch of prompts into
+# steps decides which path each step takes, and no per-layer average shows it. Never inside
+# graph replays (decode).
 LARGE_FORWARD_TOKENS = 256
 CPU_PATH, GPU_PREFILL_PATH = "CPU-experts", "GPU-prefill"
 
@@ -110,12 +113,12 @@ class HybridMetrics:
         self.interval_s = interval_s
         self.layers: list[int] = []
         self.clock: DeviceClock | None = None
-        self._forward: dict[int, LayerTotals] = defaultdict(LayerTotals)  # host: this forward's layers
-        self._host: dict[int, LayerTotals] = defaultdict(LayerTotals)  # host: whole forwards so far
+        # By (layer, batch size), as the device clock keeps them:
+        self._forward: dict[tuple[int, int], LayerTotals] = defaultdict(LayerTotals)  # host: this forward's
+        self._host: dict[tuple[int, int], LayerTotals] = defaultdict(LayerTotals)  # host: whole forwards so far
         self._lock = threading.Lock()
-        self._reported: dict[int, LayerTotals] = {}
+        self._reported: dict[tuple[int, int], LayerTotals] = {}
         self.last_report = time.monotonic()
-        self._counters: dict[str, Any] | None = None
         self._reporter: threading.Thread | None = None
 
     def add_layer(self, layer_idx: int) -> None:
@@ -136,28 +139,34 @@ class HybridMetrics:
         return _DeviceProbe(self.clock, layer_idx, x.shape[0])
 
     def large_forward(self, layer_idx: int, tokens: int, path: str) -> None:
-        """Log a prefill-sized forward once, at the first hybrid layer (its Python runs
-        when the step is queued: consecutive lines are about a step apart)."""
-        if tokens >= LARGE_FORWARD_TOKENS and self.layers and layer_idx == min(self.layers):
-            logger.info("kt-hybrid: a forward of %d tokens took the %s path at %.3f s", tokens, path, time.monotonic())
+        """Log a prefill-sized forward once, at the first hybrid layer, with the time its
+        Python ran: when the step was queued, which may be well before it runs."""
+        large = tokens >= LARGE_FORWARD_TOKENS or path == GPU_PREFILL_PATH
+        if large and self.layers and layer_idx == min(self.layers):
+            logger.info(
+                "kt-hybrid: a forward of %d tokens takes the %s path (queued at %.3f s, monotonic clock)",
+                tokens,
+                path,
+                time.monotonic(),
+            )
 
     def add_host(self, layer_idx: int, totals: LayerTotals) -> None:
         """A host-timed layer forward; published for the report with the forward's last layer,
         so that a report never splits a forward."""
-        self._forward[layer_idx] += totals
+        self._forward[(layer_idx, totals.tokens)] += totals
         if layer_idx == max(self.layers):
             with self._lock:
-                for layer, done in self._forward.items():
-                    self._host[layer] += done
+                for key, done in self._forward.items():
+                    self._host[key] += done
             self._forward.clear()
 
-    def totals(self) -> dict[int, LayerTotals]:
-        """Everything timed so far, per layer."""
+    def totals(self) -> dict[tuple[int, int], LayerTotals]:
+        """Everything timed so far, by (layer, batch size)."""
         with self._lock:
             totals = dict(self._host)
         if self.clock is not None:
-            for layer, sums in self.clock.read().items():
-                totals[layer] = totals.get(layer, LayerTotals()) + device_totals(sums)
+            for key, sums in self.clock.read().items():
+                totals[key] = totals.get(key, LayerTotals()) + device_totals(sums)
         return totals
 
     def _start_reporter(self) -> None:
@@ -174,37 +183,39 @@ class HybridMetrics:
                 logger.exception("kt-hybrid: metrics report failed")
 
     def report(self, now: float) -> None:
-        """Log and count what the layers did since the last report."""
+        """Log (a line per batch size) and count what the layers did since the last report."""
         totals = self.totals()
-        window = {}
-        for layer, total in totals.items():
-            delta = total - self._reported.get(layer, LayerTotals())
+        by_size: dict[int, dict[int, LayerTotals]] = defaultdict(dict)
+        for (layer, size), total in sorted(totals.items()):
+            delta = total - self._reported.get((layer, size), LayerTotals())
             if delta.forwards > 0:
-                window[layer] = delta
+                by_size[size][layer] = delta
                 self._count(layer, delta)
         self._reported = totals
-        if window:
+        for window in by_size.values():
             logger.info("kt-hybrid metrics: %s", summarize(window, now - self.last_report))
         self.last_report = now
 
     def _count(self, layer_idx: int, delta: LayerTotals) -> None:
-        counters = self._counters if self._counters is not None else self._make_counters()
+        counters = prometheus_counters()
         layer = str(layer_idx)
         counters["cpu"].labels(layer=layer).inc(delta.cpu_s)
         counters["gpu"].labels(layer=layer).inc(delta.gpu_s)
         counters["wait"].labels(layer=layer).inc(delta.wait_s)
         counters["forwards"].labels(layer=layer).inc(delta.forwards)
 
-    def _make_counters(self) -> dict[str, Any]:
-        from prometheus_client import Counter
 
-        self._counters = {
-            "cpu": Counter("kt_hybrid_cpu_expert_seconds", "CPU experts (submit to sync)", ["layer"]),
-            "gpu": Counter("kt_hybrid_gpu_expert_seconds", "GPU experts", ["layer"]),
-            "wait": Counter("kt_hybrid_cpu_wait_seconds", "time the layer waited for the CPU experts", ["layer"]),
-            "forwards": Counter("kt_hybrid_forwards", "hybrid MoE forwards", ["layer"]),
-        }
-        return self._counters
+@functools.cache
+def prometheus_counters() -> dict[str, Any]:
+    """The counters, once per process: prometheus_client's registry takes each name once."""
+    from prometheus_client import Counter
+
+    return {
+        "cpu": Counter("kt_hybrid_cpu_expert_seconds", "CPU experts (submit to sync)", ["layer"]),
+        "gpu": Counter("kt_hybrid_gpu_expert_seconds", "GPU experts", ["layer"]),
+        "wait": Counter("kt_hybrid_cpu_wait_seconds", "time the layer waited for the CPU experts", ["layer"]),
+        "forwards": Counter("kt_hybrid_forwards", "hybrid MoE forwards", ["layer"]),
+    }
 
 
 WAIT_SHARE_CPU_BOUND = 0.05  # a layer that waits this share of its time for the CPU is CPU-bound

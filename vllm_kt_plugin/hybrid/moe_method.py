@@ -584,18 +584,20 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         layer = layer if layer is not None else self._layer()
         assert layer is not None, f"{self.layer_name} was garbage-collected"
+        capturing = _capturing()
         if self.dynamic is not None:
-            if not _capturing():
+            if not capturing:
                 self.dynamic.maybe_refresh(layer)  # before this forward's work is queued
             self.dynamic.observe(topk_ids)
         if RECORDER.enabled:
             RECORDER.record(self.layer_idx, topk_ids, self.placement.gpu_mask)
-        staged = self.host is not None and x.shape[0] >= self.prefill_min_tokens and not _capturing()
-        if self.metrics is not None and self.cpu is not None and not _capturing():
-            self.metrics.large_forward(self.layer_idx, x.shape[0], GPU_PREFILL_PATH if staged else CPU_PATH)
+        staged = self.host is not None and x.shape[0] >= self.prefill_min_tokens and not capturing
+        metrics = self.metrics if self.cpu is not None else None
+        if metrics is not None and not capturing:
+            metrics.large_forward(self.layer_idx, x.shape[0], GPU_PREFILL_PATH if staged else CPU_PATH)
         if staged:
             return self._forward_on_gpu(layer, x, topk_weights, topk_ids)
-        probe = self.metrics.probe(self.layer_idx, x) if self.metrics is not None and self.cpu is not None else None
+        probe = metrics.probe(self.layer_idx, x) if metrics is not None else None
         # Some GPU kernels pad the hidden size; the CPU experts see the model's own.
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
         if self.cpu is not None:
