@@ -16,6 +16,9 @@
 #                 OVERSUB_RUNS "threads:busy ...", alone on the host -> oversubscription.jsonl
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
 #   layer-dynamic one layer of BF16 experts with KT_DYNAMIC_GPU_EXPERTS: a swap's cost
+#   prepare-dynamic  dynamic-bench's BF16 expert files (DYNAMIC_LAYERS layers), written without the GPU
+#   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, DYNAMIC_GPU_EXPERTS per layer, GPU
+#                 prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless
@@ -77,6 +80,18 @@ run_layer_dynamic() {  # one layer of BF16 experts from files (kt-kernel writes 
   "${BENCH[@]}" --checkpoint bf16-experts --layers 1 --systems kt-hybrid --layer-only \
       --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_DYNAMIC_GPU_EXPERTS=1 \
       --out "$BENCH_OUT/h200_dynamic_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer-dynamic.log" 2>&1
+}
+
+DYNAMIC=("${BENCH[@]}" --checkpoint bf16-experts --layers "${DYNAMIC_LAYERS:-8}" --systems kt-hybrid --skip-layer
+         --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_GPU_PREFILL_MIN_TOKENS=0
+         --out "$BENCH_OUT/${DYNAMIC_JSON:-h200_dynamic_qwen3_30b_a3b.json}")
+
+run_prepare_dynamic() {
+  CUDA_VISIBLE_DEVICES= "${DYNAMIC[@]}" --prepare-only > "$BENCH_OUT/prepare-dynamic.log" 2>&1
+}
+
+run_dynamic_bench() {  # dummy weights route almost uniformly: the traffic has little to follow
+  "${DYNAMIC[@]}" --variant dynamic:KT_DYNAMIC_GPU_EXPERTS=1 > "$BENCH_OUT/dynamic-bench.log" 2>&1
 }
 
 run_gpu_tests() {

@@ -34,8 +34,10 @@ def kernel_sweep(
     from vllm_kt_plugin.settings.loader import load_settings
 
     settings = load_settings({**os.environ, **env})
+    if settings.gpu_experts_auto:  # resolved from an engine's GPU memory, which the sweep has none of
+        raise ValueError("--kernel-sweep needs a number of GPU experts (KT_NUM_GPU_EXPERTS), not auto")
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
-    placement = ExpertPlacement.first_n(sizes.num_experts, int(env.get("KT_NUM_GPU_EXPERTS", "0")))
+    placement = ExpertPlacement.first_n(sizes.num_experts, settings.num_gpu_experts)
     started = time.perf_counter()
     layers = []
     for layer_idx in sizes.memory.moe_layers:

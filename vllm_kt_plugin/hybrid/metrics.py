@@ -112,6 +112,7 @@ class HybridMetrics:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.layers: list[int] = []
+        self.first_layer = self.last_layer = -1  # of self.layers, kept as they are added
         self.clock: DeviceClock | None = None
         # By (layer, batch size), as the device clock keeps them:
         self._forward: dict[tuple[int, int], LayerTotals] = defaultdict(LayerTotals)  # host: this forward's
@@ -123,6 +124,7 @@ class HybridMetrics:
 
     def add_layer(self, layer_idx: int) -> None:
         self.layers.append(layer_idx)
+        self.first_layer, self.last_layer = min(self.layers), max(self.layers)
 
     def probe(self, layer_idx: int, x: torch.Tensor) -> _DeviceProbe | _HostProbe | None:
         """Before the submit: this forward's probe (None while a first forward is captured,
@@ -142,7 +144,7 @@ class HybridMetrics:
         """Log a prefill-sized forward once, at the first hybrid layer, with the time its
         Python ran: when the step was queued, which may be well before it runs."""
         large = tokens >= LARGE_FORWARD_TOKENS or path == GPU_PREFILL_PATH
-        if large and self.layers and layer_idx == min(self.layers):
+        if large and layer_idx == self.first_layer:
             logger.info(
                 "kt-hybrid: a forward of %d tokens takes the %s path (queued at %.3f s, monotonic clock)",
                 tokens,
@@ -154,7 +156,7 @@ class HybridMetrics:
         """A host-timed layer forward; published for the report with the forward's last layer,
         so that a report never splits a forward."""
         self._forward[(layer_idx, totals.tokens)] += totals
-        if layer_idx == max(self.layers):
+        if layer_idx == self.last_layer:
             with self._lock:
                 for key, done in self._forward.items():
                     self._host[key] += done
