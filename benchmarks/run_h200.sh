@@ -17,8 +17,8 @@
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
 #   layer-dynamic one layer of BF16 experts with KT_DYNAMIC_GPU_EXPERTS: a swap's cost
 #   prepare-dynamic  dynamic-bench's BF16 expert files (DYNAMIC_LAYERS layers), written without the GPU
-#   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, DYNAMIC_GPU_EXPERTS per layer, GPU
-#                 prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON
+#   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, 1.2 GB of files each; DYNAMIC_GPU_EXPERTS
+#                 per layer; GPU prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless
@@ -82,7 +82,9 @@ run_layer_dynamic() {  # one layer of BF16 experts from files (kt-kernel writes 
       --out "$BENCH_OUT/h200_dynamic_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer-dynamic.log" 2>&1
 }
 
+# a few layers decode fast: 128 new tokens per run keep stalls small against them
 DYNAMIC=("${BENCH[@]}" --checkpoint bf16-experts --layers "${DYNAMIC_LAYERS:-8}" --systems kt-hybrid --skip-layer
+         --decode-tokens "${DYNAMIC_DECODE_TOKENS:-128}"
          --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_GPU_PREFILL_MIN_TOKENS=0
          --out "$BENCH_OUT/${DYNAMIC_JSON:-h200_dynamic_qwen3_30b_a3b.json}")
 

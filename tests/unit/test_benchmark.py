@@ -111,8 +111,17 @@ def test_decode_summary_reports_median_and_spread() -> None:
     assert summary == {
         "decode_bs1_tok_s": 40.0,
         "decode_bs1_spread": 0.5,
+        "decode_bs1_discarded_pairs": 0,
         "decode_bs1_repeats_tok_s": [40.0, 30.0, 50.0],
     }
+
+
+def test_decode_summary_without_a_valid_pair() -> None:
+    """Every pair of runs discarded (the short run as slow as the long): no figure, not a
+    negative rate."""
+    summary = decode_summary("decode_bs16", [], discarded=3)
+    assert summary["decode_bs16_tok_s"] is None and summary["decode_bs16_spread"] is None
+    assert summary["decode_bs16_discarded_pairs"] == 3 and summary["decode_bs16_repeats_tok_s"] == []
 
 
 def test_prefill_off_check_and_kt_env() -> None:

@@ -195,25 +195,31 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
-    def decode_rate(batch: int, seed: int) -> tuple[float, list[list[int]]]:
+    def decode_rate(batch: int, seed: int) -> tuple[float | None, list[list[int]]]:
         # Two long runs, N and 2N new tokens: their difference is N decode steps with no
         # prefill or first-call cost in it (a 1-token baseline was seen to be slower than
-        # a 65-token run at batch 16).
+        # a 65-token run at batch 16). None where the short run took as long or longer: a
+        # stall in it outweighed N steps (seen on a 6-layer model, N = 32, batch 16).
         prompts = _prompts(batch, 32, vocab, seed)
         short, tokens = timed(prompts, spec.decode_tokens)
         long, _ = timed(prompts, 2 * spec.decode_tokens)
-        return batch * spec.decode_tokens / (long - short), tokens
+        return (batch * spec.decode_tokens / (long - short) if long > short else None), tokens
 
-    def decode_rates(batch: int, seed: int) -> tuple[list[float], list[list[int]]]:
+    def decode_rates(batch: int, seed: int) -> tuple[list[float], int, list[list[int]]]:
+        """DECODE_REPEATS rates, the pairs discarded on the way (at most as many again)."""
         timed(_prompts(batch, 32, vocab, seed), 4)  # warm-up
-        rates, tokens = [], []
-        for _ in range(DECODE_REPEATS):
+        rates: list[float] = []
+        discarded = 0
+        while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
             rate, tokens = decode_rate(batch, seed)
-            rates.append(rate)
-        return rates, tokens
+            if rate is None:
+                discarded += 1
+            else:
+                rates.append(rate)
+        return rates, discarded, tokens
 
-    rates_bs1, tokens_bs1 = decode_rates(1, seed=1)
-    rates_bs16, _ = decode_rates(16, seed=2)
+    rates_bs1, discarded_bs1, tokens_bs1 = decode_rates(1, seed=1)
+    rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
     timed(_prompts(8, prefill_len, vocab, seed=3), 1)  # warm-up
     prefill_s, _ = timed(_prompts(8, prefill_len, vocab, seed=4), 1)
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
@@ -222,8 +228,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     stop_engine(llm)
     return {
         "startup_s": round(startup_s, 1),
-        **decode_summary("decode_bs1", rates_bs1),
-        **decode_summary("decode_bs16", rates_bs16),
+        **decode_summary("decode_bs1", rates_bs1, discarded_bs1),
+        **decode_summary("decode_bs16", rates_bs16, discarded_bs16),
         "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
         "prefill_prompt_tokens": prefill_len,
         "prefill_long_tok_s": round(long_len / long_s, 1),
@@ -232,13 +238,15 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     }
 
 
-def decode_summary(name: str, rates: list[float]) -> dict[str, Any]:
+def decode_summary(name: str, rates: list[float], discarded: int = 0) -> dict[str, Any]:
     """The median of a decode measurement's repeats, and their spread: (max - min) / median,
-    so a sitting's noise shows next to the figure."""
-    median = statistics.median(rates)
+    so a sitting's noise shows next to the figure; with the pairs of runs discarded (see
+    ``decode_rate``), and None for both where every pair was."""
+    median = statistics.median(rates) if rates else None
     return {
-        f"{name}_tok_s": round(median, 2),
-        f"{name}_spread": round((max(rates) - min(rates)) / median, 3),
+        f"{name}_tok_s": round(median, 2) if median else None,
+        f"{name}_spread": round((max(rates) - min(rates)) / median, 3) if median else None,
+        f"{name}_discarded_pairs": discarded,
         f"{name}_repeats_tok_s": [round(r, 2) for r in rates],
     }
 
@@ -282,12 +290,19 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     return result
 
 
+def _decode_figure(result: dict[str, Any], name: str) -> str:
+    if result[f"{name}_tok_s"] is None:
+        return "not measured (every pair of runs discarded)"
+    discarded = result.get(f"{name}_discarded_pairs", 0)
+    note = f", {discarded} pairs discarded" if discarded else ""
+    return f"{result[f'{name}_tok_s']} tok/s (spread {result[f'{name}_spread']:.0%}{note})"
+
+
 def _summary(result: dict[str, Any]) -> str:
     if "error" in result:
         return "FAILED " + result["error"][-300:]
     return (
-        f"decode bs1 {result['decode_bs1_tok_s']} tok/s (spread {result['decode_bs1_spread']:.0%}), "
-        f"bs16 {result['decode_bs16_tok_s']} tok/s (spread {result['decode_bs16_spread']:.0%}), "
+        f"decode bs1 {_decode_figure(result, 'decode_bs1')}, bs16 {_decode_figure(result, 'decode_bs16')}, "
         f"prefill {result['prefill_tok_s']} tok/s, one long prompt {result['prefill_long_tok_s']} tok/s, "
         f"weights {result['gpu_weight_gb']} GiB"
     )

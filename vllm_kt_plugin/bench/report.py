@@ -57,7 +57,7 @@ def best_hybrid(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         for r in runs
         if r["system"] == "kt-hybrid" and "error" not in r and not r.get("enforce_eager") and not r.get("variant")
     ]
-    return max(ok, key=lambda r: r["decode_bs1_tok_s"], default=None)
+    return max(ok, key=lambda r: r["decode_bs1_tok_s"] or 0.0, default=None)
 
 
 def threads_from_log(path: Path) -> int | None:

@@ -7,10 +7,10 @@ vLLM's CPU build, prefills larger than the largest captured batch under CUDA gra
 layer swaps its most-picked CPU experts with its least-picked GPU experts, before its own
 work of that forward is queued:
 
-- the CPU backend writes the incoming expert in the unquantized layout (kt-kernel's BF16
-  experts; it keeps every expert of the layer, so any can come in), a one-expert shadow
-  of the layer puts it through vLLM's own loader and post-processing (e.g. the CPU build's
-  prepacking), and it is copied into the outgoing expert's GPU slot, in place;
+- the CPU backend writes the incoming experts in the unquantized layout (kt-kernel's BF16
+  experts; it keeps every expert of the layer, so any can come in), a shadow of the layer
+  sized for them puts them through vLLM's own loader and post-processing (e.g. the CPU
+  build's prepacking), and each is copied into an outgoing expert's GPU slot, in place;
 - the slot map (on the device) and the CPU backend's GPU-expert mask (kt-kernel reads it
   through a pointer at every forward) are updated in place.
 
@@ -134,43 +134,51 @@ class DynamicExperts:
         if not pairs:
             return
         started = time.perf_counter()  # the copies from pageable host memory block until done
-        for incoming, outgoing in pairs:
-            self._swap(layer, incoming, outgoing)
+        incoming = self._native_format(layer, [expert for expert, _ in pairs])
+        for row, (expert, outgoing) in enumerate(pairs):
+            self._swap(layer, incoming, row, expert, outgoing)
         self.gpu_slot_of.copy_(self.slots.to(self.gpu_slot_of.device))
         self.cpu.set_gpu_experts(self.placement.gpu_mask)
         self.swapped += len(pairs)
         SWAP_LOG.add(self.layer_name, pairs, time.perf_counter() - started)
 
-    def _swap(self, layer: RoutedExperts, incoming: int, outgoing: int) -> None:
+    def _swap(
+        self, layer: RoutedExperts, incoming: dict[str, torch.Tensor], row: int, expert: int, outgoing: int
+    ) -> None:
+        """Row ``row`` of ``incoming`` (expert ``expert``) into ``outgoing``'s GPU slot."""
         slot = int(self.slots[outgoing])
-        for name, tensor in self._native_format(layer, incoming).items():
+        for name, tensor in incoming.items():
             target = getattr(layer, name).data[slot]
             if target.shape != tensor.shape[1:]:
                 raise RuntimeError(
-                    f"{self.layer_name}: expert {incoming} came out of the native post-processing as "
+                    f"{self.layer_name}: expert {expert} came out of the native post-processing as "
                     f"{name} {list(tensor.shape[1:])}, the layer's slots are {list(target.shape)}"
                 )
-            target.copy_(tensor[0])
-        self.placement.gpu_mask[incoming] = True
+            target.copy_(tensor[row])
+        self.placement.gpu_mask[expert] = True
         self.placement.gpu_mask[outgoing] = False
-        self.slots[incoming] = slot
+        self.slots[expert] = slot
         self.slots[outgoing] = -1
 
-    def _native_format(self, layer: RoutedExperts, expert: int) -> dict[str, torch.Tensor]:
-        """Expert ``expert`` as the layer's parameters hold one expert: written by the CPU
-        backend, then loaded and post-processed by vLLM's code on a one-expert shadow."""
+    def _native_format(self, layer: RoutedExperts, experts: list[int]) -> dict[str, torch.Tensor]:
+        """``experts`` as the layer's parameters hold experts, one row each: written by the
+        CPU backend, then loaded and post-processed by vLLM's code on a shadow of as many
+        experts — one shadow per refresh, not per expert: building and post-processing it
+        is most of a swap's host time."""
+        n = len(experts)
         hidden = self.create_args["hidden_size"]
         width = self.create_args["intermediate_size_per_partition"]
-        w13 = torch.empty(1, 2 * width, hidden, dtype=torch.bfloat16)
-        w2 = torch.empty(1, hidden, width, dtype=torch.bfloat16)
-        self.cpu.write_gpu_layout([expert], {"w13_weight": w13, "w2_weight": w2})
+        w13 = torch.empty(n, 2 * width, hidden, dtype=torch.bfloat16)
+        w2 = torch.empty(n, hidden, width, dtype=torch.bfloat16)
+        self.cpu.write_gpu_layout(experts, {"w13_weight": w13, "w2_weight": w2})
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config), torch.device("cpu"):
-            shadow, native = shadow_layer(layer, 1, self.make_native)
-            native.create_weights(shadow, num_experts=1, **self.create_args)
-            for shard, tensor in (("w1", w13[0, :width]), ("w3", w13[0, width:])):
-                shadow.weight_loader(shadow.w13_weight, tensor, "w13_weight", shard, 0)
-            shadow.weight_loader(shadow.w2_weight, w2[0], "w2_weight", "w2", 0)
+            shadow, native = shadow_layer(layer, n, self.make_native)
+            native.create_weights(shadow, num_experts=n, **self.create_args)
+            for row in range(n):
+                for shard, tensor in (("w1", w13[row, :width]), ("w3", w13[row, width:])):
+                    shadow.weight_loader(shadow.w13_weight, tensor, "w13_weight", shard, row)
+                shadow.weight_loader(shadow.w2_weight, w2[row], "w2_weight", "w2", row)
             native.process_weights_after_loading(shadow)
         return {name: param.data for name, param in shadow.named_parameters(recurse=False)}
