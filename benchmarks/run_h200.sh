@@ -18,7 +18,8 @@
 #   layer-dynamic one layer of BF16 experts with KT_DYNAMIC_GPU_EXPERTS: a swap's cost
 #   prepare-dynamic  dynamic-bench's BF16 expert files (DYNAMIC_LAYERS layers), written without the GPU
 #   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, 1.2 GB of files each; DYNAMIC_GPU_EXPERTS
-#                 per layer; GPU prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON
+#                 per layer; GPU prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON;
+#                 DYNAMIC_DECODE_TOKENS (128) replaces BENCH_ARGS' --decode-tokens there
 #   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless

@@ -206,7 +206,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         return (batch * spec.decode_tokens / (long - short) if long > short else None), tokens
 
     def decode_rates(batch: int, seed: int) -> tuple[list[float], int, list[list[int]]]:
-        """DECODE_REPEATS rates, the pairs discarded on the way (at most as many again)."""
+        """Up to DECODE_REPEATS rates (fewer where as many pairs were discarded), and the
+        pairs discarded."""
         timed(_prompts(batch, 32, vocab, seed), 4)  # warm-up
         rates: list[float] = []
         discarded = 0
@@ -244,8 +245,8 @@ def decode_summary(name: str, rates: list[float], discarded: int = 0) -> dict[st
     ``decode_rate``), and None for both where every pair was."""
     median = statistics.median(rates) if rates else None
     return {
-        f"{name}_tok_s": round(median, 2) if median else None,
-        f"{name}_spread": round((max(rates) - min(rates)) / median, 3) if median else None,
+        f"{name}_tok_s": round(median, 2) if median is not None else None,
+        f"{name}_spread": round((max(rates) - min(rates)) / median, 3) if median is not None else None,
         f"{name}_discarded_pairs": discarded,
         f"{name}_repeats_tok_s": [round(r, 2) for r in rates],
     }

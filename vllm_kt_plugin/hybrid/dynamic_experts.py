@@ -134,27 +134,29 @@ class DynamicExperts:
         if not pairs:
             return
         started = time.perf_counter()  # the copies from pageable host memory block until done
-        incoming = self._native_format(layer, [expert for expert, _ in pairs])
+        rows = self._native_format(layer, [expert for expert, _ in pairs])
+        self._check_rows(layer, rows)  # before any slot is overwritten
         for row, (expert, outgoing) in enumerate(pairs):
-            self._swap(layer, incoming, row, expert, outgoing)
+            self._swap(layer, rows, row, expert, outgoing)
         self.gpu_slot_of.copy_(self.slots.to(self.gpu_slot_of.device))
         self.cpu.set_gpu_experts(self.placement.gpu_mask)
         self.swapped += len(pairs)
         SWAP_LOG.add(self.layer_name, pairs, time.perf_counter() - started)
 
-    def _swap(
-        self, layer: RoutedExperts, incoming: dict[str, torch.Tensor], row: int, expert: int, outgoing: int
-    ) -> None:
-        """Row ``row`` of ``incoming`` (expert ``expert``) into ``outgoing``'s GPU slot."""
-        slot = int(self.slots[outgoing])
-        for name, tensor in incoming.items():
-            target = getattr(layer, name).data[slot]
-            if target.shape != tensor.shape[1:]:
+    def _check_rows(self, layer: RoutedExperts, rows: dict[str, torch.Tensor]) -> None:
+        for name, tensor in rows.items():
+            slot_shape = getattr(layer, name).shape[1:]
+            if slot_shape != tensor.shape[1:]:
                 raise RuntimeError(
-                    f"{self.layer_name}: expert {expert} came out of the native post-processing as "
-                    f"{name} {list(tensor.shape[1:])}, the layer's slots are {list(target.shape)}"
+                    f"{self.layer_name}: incoming experts came out of the native post-processing as "
+                    f"{name} {list(tensor.shape[1:])}, the layer's slots are {list(slot_shape)}"
                 )
-            target.copy_(tensor[row])
+
+    def _swap(self, layer: RoutedExperts, rows: dict[str, torch.Tensor], row: int, expert: int, outgoing: int) -> None:
+        """Row ``row`` of ``rows`` (expert ``expert``) into ``outgoing``'s GPU slot."""
+        slot = int(self.slots[outgoing])
+        for name, tensor in rows.items():
+            getattr(layer, name).data[slot].copy_(tensor[row])
         self.placement.gpu_mask[expert] = True
         self.placement.gpu_mask[outgoing] = False
         self.slots[expert] = slot
@@ -176,9 +178,13 @@ class DynamicExperts:
         with set_current_vllm_config(self.vllm_config), torch.device("cpu"):
             shadow, native = shadow_layer(layer, n, self.make_native)
             native.create_weights(shadow, num_experts=n, **self.create_args)
-            for row in range(n):
-                for shard, tensor in (("w1", w13[row, :width]), ("w3", w13[row, width:])):
-                    shadow.weight_loader(shadow.w13_weight, tensor, "w13_weight", shard, row)
-                shadow.weight_loader(shadow.w2_weight, w2[row], "w2_weight", "w2", row)
+            for row in range(n):  # the shadow's own ids (no expert map: check_layer_supported)
+                loaded = [
+                    shadow.weight_loader(shadow.w13_weight, w13[row, :width], "w13_weight", "w1", row, True),
+                    shadow.weight_loader(shadow.w13_weight, w13[row, width:], "w13_weight", "w3", row, True),
+                    shadow.weight_loader(shadow.w2_weight, w2[row], "w2_weight", "w2", row, True),
+                ]
+                if not all(loaded):
+                    raise RuntimeError(f"{self.layer_name}: vLLM's loader took no weights for incoming row {row}")
             native.process_weights_after_loading(shadow)
         return {name: param.data for name, param in shadow.named_parameters(recurse=False)}
