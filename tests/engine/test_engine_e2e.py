@@ -142,6 +142,21 @@ def test_expert_deferral_end_to_end(tiny_model) -> None:
     assert top1_drift(deferred, exact) > 2 * top1_drift(exact, expected)  # deferral is really on
 
 
+def test_expert_deferral_with_gpu_prefill(tiny_model) -> None:
+    """Deferral beside GPU experts and GPU prefill (the H200's defaults): the prefill forward
+    computes every expert on the GPU, then decode defers one CPU expert per token. Greedy
+    tokens and drift as in the test above, and the log shows GPU prefill ran. (Measured on
+    an AMX machine: drift 0.12 against plain vLLM, 0.007 with the same placement and no
+    deferral.)"""
+    model = tiny_model("qwen3_moe")
+    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "4", "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1", **GPU_PREFILL}
+    got, log = generate_logged(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE)
+    assert PREFILL_RAN in log
+    expected = confident(plain(model))
+    assert token_ids(confident(got)) == token_ids(expected)
+    assert top1_drift(confident(got), expected) <= DEFERRAL_DRIFT_BOUND
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> None:
     """KT_DYNAMIC_GPU_EXPERTS=1: after every forward each layer's most-picked CPU experts

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import clean_env
+from support.engines import FAST_COMPILE_CACHE, clean_env
 from support.openai_client import SERVE_ARGS, ask
 
 from vllm_kt_plugin.support.server import VLLMServer
@@ -15,8 +15,11 @@ pytestmark = pytest.mark.engine
 
 
 def serve(model: Path, log: Path, kt: dict[str, str] | None) -> dict:
+    """The user's command, at vLLM's default compilation (its AOT compile cache included)."""
     args = [*SERVE_ARGS, "--quantization", "kt-hybrid"] if kt is not None else SERVE_ARGS
     env = clean_env(**(kt or {"VLLM_PLUGINS": ""}))
+    for name in FAST_COMPILE_CACHE:
+        env.pop(name)
     with VLLMServer(model, args, env=env, log_path=log) as server:
         return ask(server)
 
