@@ -54,7 +54,7 @@ export VLLM_KT_ENGINE_LOCK=${VLLM_KT_ENGINE_LOCK:-$BENCH_OUT/engine.lock}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
 wants() { [[ " ${STAGES//&/} " == *" $1 "* ]]; }
 # shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
-BENCH=(python3 -m vllm_kt_plugin.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work
+BENCH=(python3 -m vllm_kt_tools.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work
        ${BENCH_ARGS:-})
 FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}"
      --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json")

@@ -11,7 +11,7 @@ import os
 import sys
 
 from vllm_kt_plugin.settings.catalogue import cache_root
-from vllm_kt_plugin.support.tiny_models import chat_prompt, tiny_model_dir
+from vllm_kt_tools.support.tiny_models import chat_prompt, tiny_model_dir
 
 if __name__ == "__main__":  # vLLM starts worker processes: keep the guard
     model = sys.argv[1] if len(sys.argv) > 1 else str(tiny_model_dir("qwen3_moe", cache_root()))

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${VENV:-.venv}
-"$VENV/bin/ruff" check vllm_kt_plugin tests configs
+"$VENV/bin/ruff" check vllm_kt_plugin vllm_kt_tools tests configs
 exec "$VENV/bin/python" -m pytest -v -rs --durations=30 "$@"

@@ -21,7 +21,7 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch."""
-    from vllm_kt_plugin.support.tiny_models import tiny_model_dir
+    from vllm_kt_tools.support.tiny_models import tiny_model_dir
 
     root = _cache_root(tmp_path_factory)
 
@@ -34,8 +34,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def quantized_model(tmp_path_factory: pytest.TempPathFactory):
     """``quantized_model(arch, fmt)`` -> directory of a tiny checkpoint in a quantized
-    format (``support.quantized_checkpoints.FORMATS``)."""
-    from vllm_kt_plugin.support.quantized_checkpoints import quantized_model_dir
+    format (``vllm_kt_tools.support.quantized_checkpoints.FORMATS``)."""
+    from vllm_kt_tools.support.quantized_checkpoints import quantized_model_dir
 
     root = _cache_root(tmp_path_factory)
 
@@ -52,7 +52,7 @@ def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obj
     import transformers
     from vllm.config import ModelConfig, VllmConfig
 
-    from vllm_kt_plugin.support.moe_layers import vllm_world
+    from vllm_kt_tools.support.moe_layers import vllm_world
 
     model_dir = tmp_path_factory.mktemp("config-only")
     transformers.Qwen3MoeConfig(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from support.broken_weights import BREAKAGES, broken_copy
-from support.engines import clean_env
+from kt_testing.broken_weights import BREAKAGES, broken_copy
+from kt_testing.engines import clean_env
 
-from vllm_kt_plugin.support.server import vllm_command
+from vllm_kt_tools.support.server import vllm_command
 
 pytestmark = pytest.mark.engine
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import (
+from kt_testing.engines import (
     DEFERRAL_DRIFT_BOUND,
     PROMPTS,
     assert_same_greedy_tokens,
@@ -16,7 +16,7 @@ from support.engines import (
     long_prompt,
     top1_drift,
 )
-from support.hardware import requires_kernel
+from kt_testing.hardware import requires_kernel
 
 pytestmark = pytest.mark.engine
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.engines import clean_env
+from kt_testing.engines import clean_env
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from support.engines import (
+from kt_testing.engines import (
     PROMPTS,
     assert_same_greedy_tokens,
     generate,

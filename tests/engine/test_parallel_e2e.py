@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from support.engines import PROMPTS, assert_same_greedy_tokens, generate_logged, long_prompt
+from kt_testing.engines import PROMPTS, assert_same_greedy_tokens, generate_logged, long_prompt
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""The tiny quantized checkpoints (``support.quantized_checkpoints``) hold what the big
+"""The tiny quantized checkpoints (``vllm_kt_tools.support.quantized_checkpoints``) hold what the big
 models ship: kt-kernel's own readers (FP8, RAWINT4, GPTQ_INT4) compute from them what the
 format defines, each checkpoint picks its kt-kernel method by default, and the sizing
 (``KT_NUM_GPU_EXPERTS=auto``, the presets, ``vllm-kt doctor``) counts their real bytes.
@@ -20,7 +20,7 @@ from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.quant_config import resolve_native_method_name
 from vllm_kt_plugin.planning.model_memory import estimate_model_memory, expert_shape
-from vllm_kt_plugin.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK_SHAPE, GPTQ_GROUP
+from vllm_kt_tools.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK_SHAPE, GPTQ_GROUP
 
 pytestmark = pytest.mark.engine  # trains two tiny models (~1 min each on 2 cores)
 
@@ -76,7 +76,7 @@ def test_checkpoint_selects_its_kt_kernel_method(quantized_model, arch: str, fmt
 @pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)
 def test_quantization_keeps_the_weights(tiny_model, quantized_model, arch: str, fmt: str, method: str) -> None:
     """Every routed expert dequantizes to its BF16 source within the format's rounding."""
-    from vllm_kt_plugin.support.tiny_models import tiny_model_dir
+    from vllm_kt_tools.support.tiny_models import tiny_model_dir
 
     model = quantized_model(arch, fmt)
     source = load_file(next(tiny_model_dir(arch, model.parent, quantizable=True).glob("*.safetensors")))
@@ -194,7 +194,7 @@ def test_benchmark_experts_are_what_kt_kernel_reads(tmp_path: Path, method: str)
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
-    from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_experts
+    from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 
     if not kernel_available(method):
         pytest.skip(f"this CPU / kt-kernel build has no {method} kernel")
@@ -230,14 +230,14 @@ def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
     """GPU prefill on a block-FP8 checkpoint keeps no host copy: kt-kernel's FP8 experts
     written back (``write_gpu_layout``) are the checkpoint's own bytes — w13 = gate then up,
     with their 128 x 128 block scales — the layout vLLM's Triton FP8 kernel runs."""
+    from kt_testing.hardware import kt_variant
     from safetensors.torch import save_file
-    from support.hardware import kt_variant
 
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import fp8_blocks
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.settings.loader import load_settings
-    from vllm_kt_plugin.support.moe_layers import build_moe, fresh_layer_index
+    from vllm_kt_tools.support.moe_layers import build_moe, fresh_layer_index
 
     if not kernel_available("FP8"):
         pytest.skip(f"this CPU's kt-kernel build ({kt_variant()}) has no FP8 kernel")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engines import PROMPTS, generate, generate_logged, long_prompt, top1_drift
+from kt_testing.engines import PROMPTS, generate, generate_logged, long_prompt, top1_drift
 
 pytestmark = [
     pytest.mark.gpu,

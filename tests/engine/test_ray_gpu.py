@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.engines import clean_env
-from support.openai_client import SERVE_ARGS, ask
+from kt_testing.engines import clean_env
+from kt_testing.openai_client import SERVE_ARGS, ask
 
-from vllm_kt_plugin.support.server import VLLMServer, free_port
+from vllm_kt_tools.support.server import VLLMServer, free_port
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from kt_testing.engines import clean_env
 from openai import OpenAI
-from support.engines import clean_env
 
-from vllm_kt_plugin.support.server import VLLMServer, process_tree_rss_bytes, vllm_command
+from vllm_kt_tools.support.server import VLLMServer, process_tree_rss_bytes, vllm_command
 
 pytestmark = pytest.mark.engine
 

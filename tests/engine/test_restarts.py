@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.engines import PROMPTS, clean_env, generate
-from support.hardware import requires_kernel
+from kt_testing.engines import PROMPTS, clean_env, generate
+from kt_testing.hardware import requires_kernel
 
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import MARKER, layer_is_cached
-from vllm_kt_plugin.support.server import VLLMServer
+from vllm_kt_tools.support.server import VLLMServer
 
 pytestmark = [pytest.mark.engine, requires_kernel("AMXINT8")]
 

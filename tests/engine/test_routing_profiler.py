@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.engines import ENGINE_TIMEOUT_S, PROMPTS, clean_env
+from kt_testing.engines import ENGINE_TIMEOUT_S, PROMPTS, clean_env
 
-from vllm_kt_plugin.cli.profile import read_prompts
 from vllm_kt_plugin.planning.placement import most_used_experts
+from vllm_kt_tools.cli.profile import read_prompts
 
 
 def run_profile(model: Path, prompts: Path, out: Path, **kt: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kt_plugin.cli.main", "profile", str(model), "--prompts", str(prompts)]
+        [sys.executable, "-m", "vllm_kt_tools.cli.main", "profile", str(model), "--prompts", str(prompts)]
         + ["--out", str(out), "--max-tokens", "16", "--max-model-len", "256"],
         capture_output=True,
         text=True,

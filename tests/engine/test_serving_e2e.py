@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engines import FAST_COMPILE_CACHE, clean_env
-from support.openai_client import SERVE_ARGS, ask
+from kt_testing.engines import FAST_COMPILE_CACHE, clean_env
+from kt_testing.openai_client import SERVE_ARGS, ask
 
-from vllm_kt_plugin.support.server import VLLMServer
+from vllm_kt_tools.support.server import VLLMServer
 
 pytestmark = pytest.mark.engine
 
@@ -47,8 +47,8 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
 
     from openai import OpenAI
 
-    from vllm_kt_plugin.bench.report import large_forwards
     from vllm_kt_plugin.hybrid.metrics import CPU_PATH, LARGE_FORWARD_TOKENS
+    from vllm_kt_tools.bench.report import large_forwards
 
     long_tokens = LARGE_FORWARD_TOKENS + 44
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.bench.engine_runs import SHAPES, decode_summary, model_sizes, plan_runs, shape_config
-from vllm_kt_plugin.cli.bench import add_arguments
 from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_tools.bench.engine_runs import SHAPES, decode_summary, model_sizes, plan_runs, shape_config
+from vllm_kt_tools.cli.bench import add_arguments
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -169,7 +169,7 @@ def test_kt_env_must_name_a_kt_variable() -> None:
 def test_layer_metrics_from_an_engine_log() -> None:
     """KT_METRICS_INTERVAL's lines become per-batch layer timings in the run's JSON; windows
     that mixed batch sizes are left out."""
-    from vllm_kt_plugin.bench.report import layer_metrics
+    from vllm_kt_tools.bench.report import layer_metrics
 
     def line(forwards: int, cpu: float, gpu: float, wait: float, tokens: float) -> str:
         return (
@@ -193,7 +193,7 @@ def test_layer_metrics_from_an_engine_log() -> None:
 def test_variant_runs_are_not_the_best_hybrid_and_names_are_unique() -> None:
     """The layer benchmark and the headline figures follow the best *plain* run of a method,
     never a variant (e.g. deferral, which changes the numbers); a variant name comes once."""
-    from vllm_kt_plugin.bench.report import best_hybrid
+    from vllm_kt_tools.bench.report import best_hybrid
 
     runs = [
         {"system": "kt-hybrid", "method": "AMXINT4", "decode_bs1_tok_s": 40.0},
@@ -208,7 +208,7 @@ def test_variant_runs_are_not_the_best_hybrid_and_names_are_unique() -> None:
 def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
     """--append puts an earlier invocation's runs first and keeps both commands; a JSON of
     another shape, checkpoint or GPU weight target is refused."""
-    from vllm_kt_plugin.cli.bench import continue_sitting
+    from vllm_kt_tools.cli.bench import continue_sitting
 
     out = tmp_path / "fp8.json"
     earlier = {"model": "qwen3-30b-a3b", "load_format": "dummy", "target_gpu_weight_gb": 5.0}
@@ -229,10 +229,10 @@ def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
 def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
     """--prepare-only fills KT_CACHE_DIR with the random AMX experts an engine start would
     quantize, in the folder that start reads (once: a second call finds them cached)."""
-    from vllm_kt_plugin.bench.engine_runs import RunSpec
-    from vllm_kt_plugin.bench.prepare import fill_online_cache
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder, layer_is_cached
+    from vllm_kt_tools.bench.engine_runs import RunSpec
+    from vllm_kt_tools.bench.prepare import fill_online_cache
 
     if not kernel_available("AMXINT8"):
         pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
@@ -251,7 +251,7 @@ def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
 
 
 def test_kernel_sweep_only_before_engines() -> None:
-    from vllm_kt_plugin.cli.bench import run_sitting
+    from vllm_kt_tools.cli.bench import run_sitting
 
     for mode in ("--prepare-only", "--layer-only"):
         with pytest.raises(SystemExit, match="--kernel-sweep"):
@@ -263,8 +263,8 @@ def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) ->
     timed per layer at batch 1 and 16, beside one layer called with one routing."""
     import json
 
-    from vllm_kt_plugin.bench.kernel_sweep import kernel_sweep
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+    from vllm_kt_tools.bench.kernel_sweep import kernel_sweep
 
     if not kernel_available("AMXINT8"):
         pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
@@ -288,7 +288,7 @@ def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     or stop waits (flock, as a second process would see it); unset, nothing is locked."""
     import fcntl
 
-    from vllm_kt_plugin.support.engine_lock import LOCK_VARIABLE, engine_lock
+    from vllm_kt_tools.support.engine_lock import LOCK_VARIABLE, engine_lock
 
     lock = tmp_path / "engine-start.lock"
     monkeypatch.delenv(LOCK_VARIABLE, raising=False)
@@ -303,7 +303,7 @@ def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """VLLM_* variables set for a whole sitting land in the JSON; ours and per-run ones do not."""
-    from vllm_kt_plugin.bench.engine_runs import host_info
+    from vllm_kt_tools.bench.engine_runs import host_info
 
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     monkeypatch.setenv("VLLM_KT_ENGINE_LOCK", "/tmp/lock")

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.cli.doctor import (
+from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
+from vllm_kt_tools.cli.doctor import (
     ERROR,
     OK,
     WARN,
@@ -27,8 +29,6 @@ from vllm_kt_plugin.cli.doctor import (
     mem_available_from_meminfo,
     run_checks,
 )
-from vllm_kt_plugin.planning.model_memory import estimate_model_memory
-from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -227,7 +227,7 @@ def test_doctor_command_on_this_machine() -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["KT_METHOD"] = "AMXINT4"
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kt_plugin.cli.main", "doctor"],
+        [sys.executable, "-m", "vllm_kt_tools.cli.main", "doctor"],
         capture_output=True,
         text=True,
         env=env,
@@ -297,7 +297,7 @@ def test_pipeline_stages_on_one_host_share_its_cores(model_dir: Path) -> None:
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_doctor_refuses_a_parallel_size_below_one(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_kt_plugin.cli.main import main
+    from vllm_kt_tools.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["doctor", flag, "0"])

@@ -1,10 +1,10 @@
-"""The end-to-end tests' token comparison (support.engines.assert_same_greedy_tokens): equal
+"""The end-to-end tests' token comparison (kt_testing.engines.assert_same_greedy_tokens): equal
 greedy tokens, up to a tie of the reference's own that the other side broke the other way."""
 
 from __future__ import annotations
 
 import pytest
-from support.engines import assert_same_greedy_tokens
+from kt_testing.engines import assert_same_greedy_tokens
 
 
 def completion(ids: list[int], top2: list[list[float]], top2_ids: list[list[int]]) -> dict:

@@ -1,17 +1,18 @@
-"""The package's shape: a one-way stack of modules (no import cycles, deferred imports
-included), the settings catalogue at the bottom, and kt-kernel's method list in step with
-the copy the catalogue keeps."""
+"""The packages' shape: a one-way stack of modules (no import cycles, deferred imports
+included), the settings catalogue at the bottom, the runtime apart from the tooling, and
+kt-kernel's method list in step with the copy the catalogue keeps."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "vllm_kt_plugin"
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME, TOOLS = "vllm_kt_plugin", "vllm_kt_tools"
 
 
 def module_name(path: Path) -> str:
-    parts = ["vllm_kt_plugin", *path.relative_to(PACKAGE).with_suffix("").parts]
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -25,7 +26,7 @@ def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool
 
 def package_imports() -> dict[str, set[str]]:
     """module -> package modules it imports anywhere (functions too; not TYPE_CHECKING)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = {module_name(p): p for package in (RUNTIME, TOOLS) for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -69,6 +70,16 @@ def test_no_import_cycles_counting_deferred_imports() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
+def test_the_runtime_imports_no_tooling() -> None:
+    """Serving a model loads vllm_kt_plugin only: the command line, the benchmark and
+    their helpers (vllm_kt_tools) import the runtime, never the other way round."""
+    graph = package_imports()
+    runtime = {m for m in graph if m.startswith(RUNTIME)}
+    assert len(runtime) > 20 and len(graph) > len(runtime)
+    into_tools = {m: sorted(n for n in graph[m] if n.startswith(TOOLS)) for m in runtime}
+    assert not any(into_tools.values()), {m: n for m, n in into_tools.items() if n}
+
+
 def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -80,7 +91,7 @@ def test_settings_catalogue_is_the_bottom() -> None:
     graph = package_imports()
     assert graph["vllm_kt_plugin.settings.catalogue"] == set()
     assert graph["vllm_kt_plugin.settings.errors"] == {"vllm_kt_plugin.settings.catalogue"}
-    assert not any(m.startswith(("vllm_kt_plugin.hybrid", "vllm_kt_plugin.cli")) for m in _reachable(graph))
+    assert not any(m.startswith(("vllm_kt_plugin.hybrid", "vllm_kt_tools.cli")) for m in _reachable(graph))
 
 
 def _reachable(graph: dict[str, set[str]], start: str = "vllm_kt_plugin.settings.loader") -> set[str]:

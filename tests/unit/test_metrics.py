@@ -59,9 +59,9 @@ def test_a_report_gives_each_batch_size_its_line(monkeypatch) -> None:
     gets its own line, so the bench reads whole-number batches from every window."""
     import torch
 
-    from vllm_kt_plugin.bench.report import layer_metrics
     from vllm_kt_plugin.hybrid import metrics as module
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+    from vllm_kt_tools.bench.report import layer_metrics
 
     lines: list[str] = []
     monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))
@@ -84,9 +84,9 @@ def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> 
     """Each prefill-sized or GPU-prefill forward gives one line (at the first hybrid layer,
     whatever the order the layers register in), which the bench reads back as the engine's
     steps."""
-    from vllm_kt_plugin.bench.report import large_forwards
     from vllm_kt_plugin.hybrid import metrics as module
     from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, LARGE_FORWARD_TOKENS, HybridMetrics
+    from vllm_kt_tools.bench.report import large_forwards
 
     lines: list[str] = []
     monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))

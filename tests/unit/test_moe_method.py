@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from kt_testing.hardware import kt_variant, requires_kernel
 from safetensors.torch import save_file
-from support.hardware import kt_variant, requires_kernel
 
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
-from vllm_kt_plugin.support.moe_layers import (
+from vllm_kt_tools.support.moe_layers import (
     HIDDEN,
     INTER,
     build_moe,

@@ -28,7 +28,7 @@ def test_wheel_carries_the_presets_and_kt_config_resolves_from_it(tmp_path: Path
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for folder in ("configs", "vllm_kt_plugin"):
+    for folder in ("configs", "vllm_kt_plugin", "vllm_kt_tools"):
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run(
@@ -59,5 +59,9 @@ def test_every_package_of_the_tree_is_listed_for_the_build() -> None:
     """pyproject.toml lists the packages by hand (configs/ is mapped in from the top of the
     tree); a new subpackage missing there would be left out of wheels."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    in_tree = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "vllm_kt_plugin").rglob("__init__.py")}
+    in_tree = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for package in ("vllm_kt_plugin", "vllm_kt_tools")
+        for init in (ROOT / package).rglob("__init__.py")
+    }
     assert listed == in_tree | {"vllm_kt_plugin.configs"}

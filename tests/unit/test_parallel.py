@@ -83,7 +83,7 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
 
     from vllm_kt_plugin.hybrid import moe_method
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
-    from vllm_kt_plugin.support.moe_layers import build_moe
+    from vllm_kt_tools.support.moe_layers import build_moe
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: _Stage(stage, 2))
     monkeypatch.setattr(moe_method, "_LAYERS", {})  # this stage's process holds no other layers

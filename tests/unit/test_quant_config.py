@@ -11,7 +11,7 @@ import torch
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig, resolve_native_method_name
 from vllm_kt_plugin.settings.errors import KTConfigError
-from vllm_kt_plugin.support.moe_layers import build_moe
+from vllm_kt_tools.support.moe_layers import build_moe
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 

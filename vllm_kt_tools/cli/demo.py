@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_kt_plugin.settings.catalogue import cache_root
-from vllm_kt_plugin.support.server import VLLMServer
-from vllm_kt_plugin.support.tiny_models import ARCHITECTURES, tiny_model_dir
+from vllm_kt_tools.support.server import VLLMServer
+from vllm_kt_tools.support.tiny_models import ARCHITECTURES, tiny_model_dir
 
 
 def _progress_line(label: str) -> Callable[[float], None]:

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# name -> (module under vllm_kt_plugin.cli, one-line help)
+# name -> (module under vllm_kt_tools.cli, one-line help)
 COMMANDS = {
     "demo": ("demo", "serve a tiny generated MoE with kt-hybrid and ask it one chat question"),
     "doctor": ("doctor", "check this machine and the KT_* settings (OK / WARN / ERROR per check)"),

@@ -5,7 +5,7 @@ a timeout can end it with vLLM's engine-core grandchild), and the end-to-end tes
 one engine per configuration the same way. The child prints one line
 ``RESULT <json>``; everything else it prints (vLLM's logs) is kept as its log.
 
-    python -m vllm_kt_plugin.support.child package.module:function '<json keyword arguments>'
+    python -m vllm_kt_tools.support.child package.module:function '<json keyword arguments>'
 """
 
 from __future__ import annotations

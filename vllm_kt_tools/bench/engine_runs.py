@@ -1,7 +1,7 @@
 """The engine side of ``vllm-kt bench``: the model shapes, what each run measures in its
 own process (``run_engine``), and which runs a sitting makes (``plan_runs``).
 
-Each system runs in a process of its own (``support.child``), so each gets the whole
+Each system runs in a process of its own (``vllm_kt_tools.support.child``), so each gets the whole
 GPU: plain vLLM with every weight on the GPU, plain vLLM with ``--cpu-offload-gb``
 leaving ``--gpu-weight-gb`` on the GPU, and kt-hybrid keeping as many experts per layer
 on the GPU as fit in the same memory, once per kt-kernel method. Each run reports decode
@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.report import large_forwards, layer_metrics
 from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
-from vllm_kt_plugin.support.child import run_child
-from vllm_kt_plugin.support.engine_lock import engine_lock, stop_engine
-from vllm_kt_plugin.support.tiny_models import write_numbered_tokenizer
+from vllm_kt_tools.bench.report import large_forwards, layer_metrics
+from vllm_kt_tools.support.child import run_child
+from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
+from vllm_kt_tools.support.tiny_models import write_numbered_tokenizer
 
 # Each decode figure is the median of this many measurements (AMXINT4 at batch 1 has
 # varied by a third between sittings).
@@ -355,7 +355,7 @@ def shape_config(shape: str, checkpoint: str = "bf16", layers: int = 0) -> dict[
     """A built-in shape's config.json, with ``layers`` decoder layers (0: all) and, for a
     quantized ``checkpoint``, its ``quantization_config``."""
     from vllm_kt_plugin.planning.model_memory import moe_layer_indices
-    from vllm_kt_plugin.support.quantized_checkpoints import fp8_block_config
+    from vllm_kt_tools.support.quantized_checkpoints import fp8_block_config
 
     config = dict(SHAPES[shape])
     if layers:

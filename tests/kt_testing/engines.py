@@ -1,13 +1,13 @@
 """Run real vLLM engines for the end-to-end tests, one child process per configuration
-(``vllm_kt_plugin.support.child``, the protocol the benchmark uses too)."""
+(``vllm_kt_tools.support.child``, the protocol the benchmark uses too)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from vllm_kt_plugin.support.child import run_child
-from vllm_kt_plugin.support.tiny_models import chat_prompt, training_text
+from vllm_kt_tools.support.child import run_child
+from vllm_kt_tools.support.tiny_models import chat_prompt, training_text
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
@@ -15,7 +15,7 @@ ENGINE_TIMEOUT_S = 900
 # e.g. 0.2, so that a test process fits beside another GPU process (a benchmark's server).
 # Engines must not start at the same moment: vLLM 0.32 counts what other processes allocate
 # while it profiles against its own budget ("No available memory for the cache blocks");
-# VLLM_KT_ENGINE_LOCK (support/engine_lock.py) makes their starts take turns.
+# VLLM_KT_ENGINE_LOCK (vllm_kt_tools/support/engine_lock.py) makes their starts take turns.
 GPU_SHARE_VARIABLE = "VLLM_KT_TEST_GPU_SHARE"
 
 # The prompts every engine comparison uses: the tiny models' training text and one chat.
@@ -37,7 +37,7 @@ DEFERRAL_DRIFT_BOUND = 0.3
 
 
 def install_zero_backend(root: Path) -> str:
-    """Make the test backend in support/plugins discoverable the way a pip-installed plugin
+    """Make the test backend in kt_testing/plugins discoverable the way a pip-installed plugin
     is: a dist-info directory with an entry point. Returns a PYTHONPATH entry."""
     dist = root / "kt_test_backends-0.1.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
@@ -56,12 +56,14 @@ FAST_COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without KT_* settings, plus ``extra``."""
+    """This process's environment without KT_* settings, plus ``extra``; ``tests/`` on the
+    path, so that a child can import this package (``kt_testing.greedy``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     for name, value in FAST_COMPILE_CACHE.items():
         env.setdefault(name, value)
     env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -96,7 +98,7 @@ def generate_logged(
     args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "llm": llm_args}
 
     run = run_child(
-        "vllm_kt_plugin.support.greedy:greedy_completions",
+        "kt_testing.greedy:greedy_completions",
         args,
         env=clean_env(**(kt or {}), **env),
         timeout_s=ENGINE_TIMEOUT_S,

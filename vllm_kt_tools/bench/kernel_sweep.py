@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import model_sizes
-from vllm_kt_plugin.bench.layer_timing import random_routing, timing_in_child
+from vllm_kt_tools.bench.engine_runs import model_sizes
+from vllm_kt_tools.bench.layer_timing import random_routing, timing_in_child
 
 SWEEP_TOKENS = (1, 16)  # decode at batch 1 and 16, as the engine runs measure it
 SWEEP_STEPS = 20
@@ -28,10 +28,10 @@ def kernel_sweep(
     stream where there is a GPU, kt-kernel's synchronous path where not)."""
     import torch
 
-    from vllm_kt_plugin.bench.prepare import layer_spec
     from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
     from vllm_kt_plugin.planning.placement import ExpertPlacement
     from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.bench.prepare import layer_spec
 
     settings = load_settings({**os.environ, **env})
     if settings.gpu_experts_auto:  # resolved from an engine's GPU memory, which the sweep has none of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from openai import OpenAI
 
-from vllm_kt_plugin.support.server import VLLMServer
+from vllm_kt_tools.support.server import VLLMServer
 
 SERVE_ARGS = ["--served-model-name", "tiny-moe", "--max-model-len", "256"]
 PROMPT = "A mixture of experts"

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import ModelSizes, model_sizes
-from vllm_kt_plugin.support.child import run_child
-from vllm_kt_plugin.support.moe_layers import build_moe, vllm_world
+from vllm_kt_tools.bench.engine_runs import ModelSizes, model_sizes
+from vllm_kt_tools.support.child import run_child
+from vllm_kt_tools.support.moe_layers import build_moe, vllm_world
 
 
 def layer_benchmark(

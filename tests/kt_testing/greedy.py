@@ -1,12 +1,12 @@
 """Greedy completions from a fresh vLLM engine, with the top-2 tokens and logprobs of every step:
 what the end-to-end tests compare between kt-hybrid and plain vLLM. Runs in a child
-process (``support.child``); KT_* settings come from its environment."""
+process (``vllm_kt_tools.support.child``); KT_* settings come from its environment."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_kt_plugin.support.engine_lock import engine_lock, stop_engine
+from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
 
 
 def greedy_completions(model: str, prompts: list[str], max_tokens: int, llm: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_kt_plugin.support.tiny_models import ARCHITECTURES, write_tiny_model
+from vllm_kt_tools.support.tiny_models import ARCHITECTURES, write_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import RunSpec
-from vllm_kt_plugin.support.server import VLLMServer, vllm_command
+from vllm_kt_tools.bench.engine_runs import RunSpec
+from vllm_kt_tools.support.server import VLLMServer, vllm_command
 
 SERVED_NAME = "bench"
 PERCENTILES = "50,90,99"

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import (
+from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
+from vllm_kt_tools.bench.engine_runs import (
     CHECKPOINTS,
     SHAPES,
     ModelSizes,
@@ -28,13 +29,12 @@ from vllm_kt_plugin.bench.engine_runs import (
     run_in_child,
     system_order,
 )
-from vllm_kt_plugin.bench.kernel_sweep import sweep_in_child
-from vllm_kt_plugin.bench.layer_timing import layer_in_child
-from vllm_kt_plugin.bench.load_runs import load_run
-from vllm_kt_plugin.bench.report import best_hybrid, save, threads_from_log
-from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
-from vllm_kt_plugin.support.engine_lock import engine_lock
-from vllm_kt_plugin.support.quantized_checkpoints import write_dummy_experts
+from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
+from vllm_kt_tools.bench.layer_timing import layer_in_child
+from vllm_kt_tools.bench.load_runs import load_run
+from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
+from vllm_kt_tools.support.engine_lock import engine_lock
+from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def continue_sitting(report: dict[str, Any], out: Path) -> None:
 def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """--prepare-only: the kt-hybrid runs' online-quantized CPU experts, into the cache
     their engines read (the expert files of a file --checkpoint are written already)."""
-    from vllm_kt_plugin.bench.prepare import fill_online_cache  # imports kt-kernel
+    from vllm_kt_tools.bench.prepare import fill_online_cache  # imports kt-kernel
 
     report["prepared"] = {spec.name: fill_online_cache(spec, hf_config) for spec in runs}
     print(f"[bench] prepared (layers quantized per run): {report['prepared']}", flush=True)

@@ -11,12 +11,12 @@ import os
 import time
 from typing import Any
 
-from vllm_kt_plugin.bench.engine_runs import ModelSizes, RunSpec, model_sizes
 from vllm_kt_plugin.cpu_backends.base import LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE
 from vllm_kt_plugin.planning.placement import ExpertPlacement
 from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_tools.bench.engine_runs import ModelSizes, RunSpec, model_sizes
 
 
 def fill_online_cache(spec: RunSpec, hf_config: dict[str, Any]) -> int:
