@@ -15,10 +15,10 @@ from vllm_kt_plugin.planning.gpu_budget import (
     fit_gpu_experts,
     resolve_num_gpu_experts,
 )
-from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory, linear_bytes_per_weight
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.settings.model_memory import ModelMemory, estimate_model_memory, linear_bytes_per_weight
 from vllm_kt_plugin.settings.variables import KTSettings
 
 TINY = {

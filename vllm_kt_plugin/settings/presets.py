@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from vllm_kt_plugin.planning.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB, KNOWN_VARIABLES, KT_METHODS, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.variables import KTSettings, parse_positive_float
 
 logger = logging.getLogger(LOGGER_NAME)

@@ -35,9 +35,9 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files, fp8_blocks
 from vllm_kt_plugin.hookspecs import hookimpl
-from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
+from vllm_kt_plugin.settings.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
 
 logger = logging.getLogger(LOGGER_NAME)
