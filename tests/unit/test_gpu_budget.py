@@ -246,13 +246,6 @@ def test_explicit_count_passes_through() -> None:
     assert budget.num_gpu_experts == 5
 
 
-def test_explicit_count_above_the_layer_experts() -> None:
-    with pytest.raises(KTConfigError, match="KT_NUM_GPU_EXPERTS='65' is invalid"):
-        resolve_num_gpu_experts(
-            kt({"KT_NUM_GPU_EXPERTS": "65"}), ROUND, gpu_memory_utilization=0.9, device_total_bytes=None
-        )
-
-
 MISTAKES = [
     ({"KT_GPU_EXPERTS_RATIO": "1.5"}, "KT_GPU_EXPERTS_RATIO", "1.5"),
     ({"KT_GPU_EXPERTS_RATIO": "-0.1"}, "KT_GPU_EXPERTS_RATIO", "-0.1"),

@@ -167,10 +167,7 @@ def fixed_num_gpu_experts(settings: KTSettings, experts: int) -> GPUExpertBudget
         return GPUExpertBudget(count, f"KT_GPU_EXPERTS_RATIO={settings.gpu_experts_ratio:g} of {experts} -> {count}")
     if settings.gpu_experts_auto:
         return None
-    if settings.num_gpu_experts > experts:
-        raise KTConfigError(
-            "KT_NUM_GPU_EXPERTS", str(settings.num_gpu_experts), f"the model has {experts} routed experts"
-        )
+    # At most ``experts``: KTSettings.check_model refused more at config time.
     return GPUExpertBudget(settings.num_gpu_experts, f"KT_NUM_GPU_EXPERTS={settings.num_gpu_experts}")
 
 
