@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME, TOOLS = "vllm_kt_plugin", "vllm_kt_tools"
 
@@ -104,6 +106,7 @@ def _reachable(graph: dict[str, set[str]], start: str = "vllm_kt_plugin.settings
 
 
 def test_catalogue_methods_are_kt_kernels() -> None:
+    pytest.importorskip("kt_kernel")
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kt_inference_methods
     from vllm_kt_plugin.settings.catalogue import KT_METHODS
     from vllm_kt_plugin.settings.model_memory import KT_METHOD_BYTES_PER_WEIGHT

@@ -426,7 +426,7 @@ class KTKernelExperts(CPUExperts):
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
-        # path on CPU-only hosts (see kt_compat).
+        # path on CPU-only hosts (see compat.py).
         self._stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
         self.wrapper.submit_forward(x, topk_ids, topk_weights, self._stream)
 
