@@ -101,3 +101,17 @@ def test_metrics_time_the_cpu_path_of_layers_with_cpu_experts(vllm_layer_context
     assert [(k, t.forwards) for k, t in totals.items()] == [((layer.quant_method.layer_idx, 4), 2)]
     all_gpu, _ = hybrid_layer(KT_NUM_GPU_EXPERTS=str(E), KT_METRICS_INTERVAL="3600")
     assert all_gpu.quant_method.layer_idx not in metrics.layers  # no CPU experts: nothing to time
+
+
+def test_the_compiled_op_finds_its_layer_in_the_forward_context(vllm_layer_context, fresh_runtime) -> None:
+    """``torch.ops.vllm_kt.hybrid_moe`` (what torch.compile calls on vLLM's CPU build)
+    finds the layer by name as vLLM's moe_forward does, and computes the same output."""
+    from vllm.forward_context import set_forward_context
+
+    layer, experts = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
+    eager, x, ids, weights = forward(layer, 8, seed=5)
+    with set_forward_context(None, vllm_layer_context):
+        op = torch.ops.vllm_kt.hybrid_moe(x, weights, ids, layer.layer_name)
+    assert torch.equal(op, eager)
+    ref = reference_moe(x, ids, weights, experts)
+    assert (op.float() - ref).abs().max().item() <= 2**-6 * ref.abs().max().item()
