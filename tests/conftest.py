@@ -70,3 +70,11 @@ def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obj
     vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True))
     with vllm_world(vllm_config):
         yield vllm_config
+
+
+@pytest.fixture
+def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``run_notebook(name)`` -> examples/<name>, executed (``kt_testing.notebooks``)."""
+    from kt_testing.notebooks import notebook_runner
+
+    return notebook_runner(tmp_path, monkeypatch)

@@ -5,7 +5,7 @@ vLLM pads every batch that replays a CUDA graph to a captured size and marks the
 tokens' expert picks -1: the five prompts decode as a batch of 8 here.
 
 Skipped without a GPU (CI is CPU-only); run on a GPU box with
-``python -m pytest -m gpu tests/test_gpu.py``.
+``python -m pytest -m gpu tests/engine/test_gpu.py``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.quant_config import resolve_native_method_name
-from vllm_kt_plugin.planning.model_memory import estimate_model_memory, expert_shape
+from vllm_kt_plugin.settings.model_memory import estimate_model_memory, expert_shape
 from vllm_kt_tools.support.quantized_checkpoints import CT_GROUP, FP8_BLOCK_SHAPE, GPTQ_GROUP
 
 pytestmark = pytest.mark.engine  # trains two tiny models (~1 min each on 2 cores)

@@ -13,7 +13,6 @@ import pytest
 from kt_testing.engines import ENGINE_TIMEOUT_S, PROMPTS, clean_env
 
 from vllm_kt_plugin.planning.placement import most_used_experts
-from vllm_kt_tools.cli.profile import read_prompts
 
 
 def run_profile(model: Path, prompts: Path, out: Path, **kt: str) -> dict:
@@ -70,16 +69,3 @@ def test_frequency_placement_moves_hot_experts_to_the_gpu(tiny_model, tmp_path: 
         f"CPU expert evaluations: uniform {uniform['cpu_evaluations']}, frequency {frequency['cpu_evaluations']}, "
         f"dynamic {dynamic['cpu_evaluations']}"
     )
-
-
-def test_prompt_files(tmp_path: Path) -> None:
-    text = tmp_path / "p.txt"
-    text.write_text("first prompt\n\nsecond prompt\n")
-    assert read_prompts(text) == ["first prompt", "second prompt"]
-    jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
-    assert read_prompts(jsonl) == ["a", "b", {"messages": [{"role": "user", "content": "c"}]}]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a"}\n{"oops": 1}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:2"):
-        read_prompts(bad)

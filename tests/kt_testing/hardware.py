@@ -4,17 +4,28 @@ at all, so those tests are reported as skipped there, with the reason."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available, kt_inference_methods
 
 
+def kt_kernel_installed() -> bool:
+    return importlib.util.find_spec("kt_kernel") is not None
+
+
 def _has_kernel(method: str) -> bool:
+    if not kt_kernel_installed():
+        return False
     kt_inference_methods()  # imports kt-kernel with the CPU-only workarounds first
     return kernel_available(method)
 
 
 def requires_kernel(method: str) -> pytest.MarkDecorator:
+    """Skip where kt-kernel, or its ``method`` kernel, is missing (reason given)."""
+    if not kt_kernel_installed():
+        return pytest.mark.skip(reason="kt-kernel is not installed")
     return pytest.mark.skipif(
         not _has_kernel(method),
         reason=f"this CPU's kt-kernel build ({kt_variant()}) has no {method} kernel (needs AVX-512 or AMX)",
@@ -22,6 +33,5 @@ def requires_kernel(method: str) -> pytest.MarkDecorator:
 
 
 def kt_variant() -> str:
-    import kt_kernel
-
+    kt_kernel = pytest.importorskip("kt_kernel")
     return str(kt_kernel.__cpu_variant__)

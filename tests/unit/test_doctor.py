@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.planning.model_memory import estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
+from vllm_kt_plugin.settings.model_memory import estimate_model_memory
 from vllm_kt_tools.cli.doctor import (
     ERROR,
     OK,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME, TOOLS = "vllm_kt_plugin", "vllm_kt_tools"
 
@@ -104,9 +106,42 @@ def _reachable(graph: dict[str, set[str]], start: str = "vllm_kt_plugin.settings
 
 
 def test_catalogue_methods_are_kt_kernels() -> None:
+    pytest.importorskip("kt_kernel")
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kt_inference_methods
-    from vllm_kt_plugin.planning.model_memory import KT_METHOD_BYTES_PER_WEIGHT
     from vllm_kt_plugin.settings.catalogue import KT_METHODS
+    from vllm_kt_plugin.settings.model_memory import KT_METHOD_BYTES_PER_WEIGHT
 
     assert set(KT_METHODS) == kt_inference_methods()
     assert set(KT_METHOD_BYTES_PER_WEIGHT) == set(KT_METHODS) - {"LLAMAFILE"}  # GGUF: size per tensor type
+
+
+def test_settings_import_nothing_above_them() -> None:
+    """Settings (with the model facts planning reads) sit below planning, the layers and the
+    backends: nothing in settings/ imports them."""
+    graph = package_imports()
+    settings = sorted(m for m in graph if m.startswith(f"{RUNTIME}.settings"))
+    assert len(settings) >= 7  # catalogue, errors, variables, presets, loader, model facts
+    upward = {m: sorted(n for n in graph[m] if not n.startswith(f"{RUNTIME}.settings")) for m in settings}
+    assert not any(upward.values()), {m: n for m, n in upward.items() if n}
+
+
+# vLLM (and torch.nn.Module) internals that kt-hybrid reads or writes.
+PRIVATE_VLLM_ATTRIBUTES = frozenset(
+    {"_buffers", "_parameters", "_modules", "_expert_map", "_init_moe_kernel", "_verify_quantization"}
+)
+
+
+def test_vllm_internals_are_touched_in_one_module() -> None:
+    """Like kt-kernel's breaks in ``cpu_backends/kt_kernel/compat.py``: every use of a
+    private vLLM attribute is in ``hybrid/vllm_compat.py``, whose TOUCHES a unit test checks
+    against the installed vLLM."""
+    compat = ROOT / RUNTIME / "hybrid" / "vllm_compat.py"
+    found = []
+    for path in sorted((ROOT / RUNTIME).rglob("*.py")):
+        if path == compat:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if name in PRIVATE_VLLM_ATTRIBUTES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert not found, found

@@ -279,16 +279,17 @@ def test_layers_follow_kt_expert_placement(vllm_layer_context) -> None:
 
     config = kt_config(kt_num_gpu_experts="3", kt_expert_placement="random", kt_expert_placement_seed="7")
     idx = fresh_layer_index()
-    method = build_moe(config, layer_idx=idx).routed_experts.quant_method
+    layer = build_moe(config, layer_idx=idx).routed_experts
+    method = layer.quant_method
     expected = random_gpu_experts(E, 3, seed=7, layer_idx=idx)
     assert method.placement.gpu_mask.nonzero().flatten().tolist() == expected != [0, 1, 2]
-    assert expert_numel(method._layer()) == 3 * (3 * INTER * HIDDEN)
+    assert expert_numel(layer) == 3 * (3 * INTER * HIDDEN)
 
 
 def test_auto_fits_the_gpu_experts_to_the_granted_memory(vllm_layer_context) -> None:
     """KT_NUM_GPU_EXPERTS=auto with a faked device size (KT_GPU_MEMORY_GB): the count is
     what fits beside the non-expert weights, for layers of the configured model."""
-    from vllm_kt_plugin.planning.model_memory import estimate_model_memory
+    from vllm_kt_plugin.settings.model_memory import estimate_model_memory
 
     memory = estimate_model_memory(vllm_layer_context.model_config.hf_config.to_dict())
     utilization = vllm_layer_context.cache_config.gpu_memory_utilization
@@ -310,20 +311,21 @@ def test_gpu_prefill_matches_dense_reference(vllm_layer_context, num_gpu: int) -
     method = layer.quant_method
     experts = random_experts(E, seed=10 + num_gpu)
     load(runner, experts)
-    assert method.host is not None and len(method.host.cpu_expert_ids) == E - num_gpu and method.host.copies
-    staged_before = method.staging.uses
+    prefill = method.gpu_prefill
+    assert prefill.host is not None and len(prefill.host.cpu_expert_ids) == E - num_gpu and prefill.host.copies
+    staged_before = prefill.staging.uses
     for tokens, staged in ((11, 0), (12, 1), (40, 1)):
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
         ids, weights = random_routing(tokens, E, K, seed=tokens)
         out = method.apply(layer, x, weights, ids, None, None)
         assert_close(out, reference_moe(x, ids, weights, experts))
-        assert method.staging.uses == staged_before + staged, tokens
-        staged_before = method.staging.uses
+        assert prefill.staging.uses == staged_before + staged, tokens
+        staged_before = prefill.staging.uses
 
 
 def test_gpu_prefill_is_off_by_default(vllm_layer_context) -> None:
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2"))
-    assert runner.routed_experts.quant_method.host is None
+    assert runner.routed_experts.quant_method.gpu_prefill is None
 
 
 def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
@@ -435,16 +437,11 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
 
 def test_auto_gpu_prefill_threshold_or_refusal() -> None:
     """auto: the layer's break-even where nothing refuses, else 0."""
-    from types import SimpleNamespace
+    from vllm_kt_plugin.hybrid.gpu_prefill_path import auto_min_tokens
 
-    from vllm_kt_plugin.hybrid.moe_method import _auto_gpu_prefill_min_tokens
-
-    def config(refusal: str | None = None) -> SimpleNamespace:
-        return SimpleNamespace(layer_plan=SimpleNamespace(gpu_prefill_refusal=refusal))
-
-    assert _auto_gpu_prefill_min_tokens(None, config(), 1024) == 1024
-    assert _auto_gpu_prefill_min_tokens("the layer cannot be staged", config(), 1024) == 0
-    assert _auto_gpu_prefill_min_tokens(None, config("the staging would not fit"), 2048) == 0
+    assert auto_min_tokens(None, None, 1024) == 1024
+    assert auto_min_tokens(None, "the layer cannot be staged", 1024) == 0
+    assert auto_min_tokens("the staging would not fit", None, 2048) == 0
 
 
 def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:

@@ -81,12 +81,12 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
     from vllm.distributed import parallel_state
     from vllm.model_executor.models.utils import PPMissingLayer, make_layers
 
-    from vllm_kt_plugin.hybrid import moe_method
+    from vllm_kt_plugin.hybrid import runtime
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_tools.support.moe_layers import build_moe
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: _Stage(stage, 2))
-    monkeypatch.setattr(moe_method, "_LAYERS", {})  # this stage's process holds no other layers
+    monkeypatch.setattr(runtime, "_RUNTIME", runtime.HybridRuntime())  # this stage's process holds no other layers
     settings = load_settings({"KT_NUM_GPU_EXPERTS": "2", "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}, cores=4)
     config = KTHybridConfig(settings=settings)
     start, end, modules = make_layers(
@@ -95,7 +95,7 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
     assert (start, end) == ((0, 3) if stage == 0 else (3, 6))
     built = [i for i, m in enumerate(modules) if not isinstance(m, PPMissingLayer)]
     assert built == list(range(start, end))
-    methods = sorted(moe_method._LAYERS.values(), key=lambda m: m.layer_idx)
+    methods = runtime.runtime().layers
     assert [m.layer_idx for m in methods if m.cpu is not None] == built
     # Deferral into the next layer only inside the stage: never out of its last layer,
     # whether the model goes on in the next stage (stage 0) or ends (stage 1).
@@ -103,7 +103,7 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
 
 
 def test_a_stage_budgets_its_own_layers() -> None:
-    from vllm_kt_plugin.planning.model_memory import ModelMemory
+    from vllm_kt_plugin.settings.model_memory import ModelMemory
 
     model = ModelMemory(num_experts=8, moe_layers=(1, 2, 3, 4, 5), expert_params=0, expert_bytes=1, non_expert_bytes=60)
     assert model.stage(range(3, 6), 6) == ModelMemory(8, (3, 4, 5), 0, 1, 30)

@@ -16,9 +16,9 @@ from vllm_kt_plugin.planning.placement import (
     plan_placements,
     plan_placements_from_settings,
 )
-from vllm_kt_plugin.planning.routing_profile import RoutingProfile, load_routing_profile, parse_routing_profile
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.settings.routing_profile import RoutingProfile, load_routing_profile, parse_routing_profile
 
 MOE_LAYERS = (1, 2, 3, 4)  # layer 0 dense, as with first_k_dense_replace=1
 

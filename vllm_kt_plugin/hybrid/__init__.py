@@ -1,4 +1,12 @@
-"""The vLLM side: the ``kt-hybrid`` quantization config (``quant_config``), the MoE method
-that splits each layer between the native GPU method and a CPU backend (``moe_method``),
-its per-layer timing (``metrics``) and the routing recorder behind ``vllm-kt profile``
-(``routing_recorder``)."""
+"""The vLLM side: the ``kt-hybrid`` quantization config (``quant_config``) and the MoE
+method that splits each layer between the native GPU method and a CPU backend
+(``moe_method``).
+
+A forward is route -> pick a path -> run it, observers told (``forward``). Paths, in the
+order ``paths`` asks them: GPU prefill (``gpu_prefill_path``, on the host copy and staging
+buffers of ``gpu_prefill``) and the CPU-experts path (``cpu_path``); both compute the GPU
+experts through ``gpu_experts``. Observers: the routing recorder (``routing_recorder``,
+behind ``vllm-kt profile``), per-layer timing (``metrics``, ``device_clock``) and dynamic
+GPU experts (``dynamic_experts``), wired by ``observers``. ``runtime`` holds what the
+layers of a process share and what each is given; ``shadow`` builds copies of a layer that
+own their weights; ``vllm_compat`` is every vLLM internal we rely on."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.hybrid.forward import Forward, ForwardObserver
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
@@ -71,9 +72,6 @@ class SwapLog:
         )
 
 
-SWAP_LOG = SwapLog()
-
-
 def swaps(counts: torch.Tensor, gpu_mask: torch.Tensor) -> list[tuple[int, int]]:
     """(CPU expert in, GPU expert out) pairs: the most-picked CPU experts against the
     least-picked GPU experts, as long as the CPU one was picked more (ties stay put)."""
@@ -87,8 +85,10 @@ def swaps(counts: torch.Tensor, gpu_mask: torch.Tensor) -> list[tuple[int, int]]
     return pairs
 
 
-class DynamicExperts:
-    """One layer's routing counts and expert swaps (see the module docstring)."""
+class DynamicExperts(ForwardObserver):
+    """One layer's routing counts and expert swaps (see the module docstring); it observes
+    the layer's forwards: a refresh (outside CUDA-graph capture) before the forward's work
+    is queued, then the forward's picks counted."""
 
     def __init__(
         self,
@@ -99,6 +99,7 @@ class DynamicExperts:
         make_native: Callable[[RoutedExperts], FusedMoEMethodBase],
         create_args: dict[str, Any],
         every: int,
+        swap_log: SwapLog,
     ) -> None:
         self.layer_name = layer_name
         self.placement = placement
@@ -108,6 +109,7 @@ class DynamicExperts:
         self.make_native = make_native
         self.create_args = create_args
         self.every = every
+        self.swap_log = swap_log  # the process's
         # Built after loading, inside vLLM's config context; swaps run at forward time,
         # where vLLM's layer code (the shadow's native method) needs it set again.
         from vllm.config import get_current_vllm_config
@@ -116,6 +118,11 @@ class DynamicExperts:
         self.counts = torch.zeros(placement.num_experts, dtype=torch.float32, device=gpu_slot_of.device)
         self.forwards = 0
         self.swapped = 0  # experts moved to the GPU so far, for the log and tests
+
+    def routed(self, forward: Forward) -> None:
+        if not forward.capturing:
+            self.maybe_refresh(forward.layer)
+        self.observe(forward.topk_ids)
 
     def observe(self, topk_ids: torch.Tensor) -> None:
         """Count this forward's picks (graph-safe: fixed shapes, no host sync). Padded
@@ -141,7 +148,7 @@ class DynamicExperts:
         self.gpu_slot_of.copy_(self.slots.to(self.gpu_slot_of.device))
         self.cpu.set_gpu_experts(self.placement.gpu_mask)
         self.swapped += len(pairs)
-        SWAP_LOG.add(self.layer_name, pairs, time.perf_counter() - started)
+        self.swap_log.add(self.layer_name, pairs, time.perf_counter() - started)
 
     def _check_rows(self, layer: RoutedExperts, rows: dict[str, torch.Tensor]) -> None:
         for name, tensor in rows.items():

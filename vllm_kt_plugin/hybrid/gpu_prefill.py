@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import fill_dummy_experts
+from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
+from vllm_kt_plugin.hybrid.vllm_compat import (
+    can_rebuild_moe_kernel,
+    is_block_fp8,
+    parameters_swapped,
+    rebuild_moe_kernel,
+    set_expert_map,
+    use_moe_kernel,
+)
 from vllm_kt_plugin.planning.placement import route_to_gpu_slots
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 
@@ -95,48 +104,6 @@ def layout_nbytes(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
 _PAGE = mmap.PAGESIZE
 
 
-# Unquantized backends whose kernels take the weights as they are laid out in the layer
-# (plus vLLM's CPU build, for tests); others (AITER, FlashInfer, MoonEP) repack them.
-STAGEABLE_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
-
-
-# Backends (unquantized, and of vLLM's FP8 method) that run the checkpoint's layout unchanged
-# (w13 = gate then up), as a CPU backend that writes its experts in the GPU layout
-# (kt-kernel's BF16 and FP8) hands them out.
-RAW_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
-
-
-# vLLM's MoE backend of block-FP8 shadows: its Triton kernel takes the experts in the
-# checkpoint's layout unchanged (vLLM's conversion for it is the identity), which is what
-# kt-kernel's FP8 writes; others (DeepGEMM, FlashInfer, Marlin) re-lay weights or scales out
-# at setup. (On the H200 vLLM 0.32 picks Triton for the GPU experts too.)
-BLOCK_FP8_STAGING_BACKEND = "triton"
-
-
-def is_block_fp8(native: FusedMoEMethodBase) -> bool:
-    """Whether the native method runs block-FP8 experts (DeepSeek-V3, Qwen3-*-FP8)."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
-
-    return isinstance(native, Fp8MoEMethod) and native.block_quant
-
-
-def runs_raw_layout(native: FusedMoEMethodBase) -> bool:
-    """Whether the native method's kernel runs the checkpoint's layout unchanged, as a CPU
-    backend that writes its experts hands them out."""
-    if is_block_fp8(native):
-        return getattr(native.fp8_backend, "name", None) in RAW_LAYOUT_BACKENDS
-    return native_is_stageable(native, RAW_LAYOUT_BACKENDS)
-
-
-def native_is_stageable(native: FusedMoEMethodBase, backends: tuple[str, ...] = STAGEABLE_BACKENDS) -> bool:
-    """Whether the native method's kernel reads its weights from the layer at each call
-    (and runs one of ``backends``)."""
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    backend = getattr(native, "unquantized_backend", None)
-    return isinstance(native, UnquantizedFusedMoEMethod) and getattr(backend, "name", None) in backends
-
-
 class HostExperts:
     """One layer's CPU experts for GPU prefill, in the native runtime format: a (pinned)
     host copy, or nothing of their own where the CPU backend writes its experts in that
@@ -162,7 +129,7 @@ class HostExperts:
         # Quantized kernels hold their scales from setup: one per staging buffer, bound at
         # its first use (``_bind_kernel``).
         self.binds_scales = is_block_fp8(self.native)
-        if self.binds_scales and not hasattr(self.native, "_init_moe_kernel"):
+        if self.binds_scales and not can_rebuild_moe_kernel(self.native):
             raise RuntimeError(
                 f"kt-hybrid GPU prefill: this vLLM's {type(self.native).__name__} has no _init_moe_kernel (vLLM "
                 "0.32's) to bind staged block-FP8 scales; set KT_GPU_PREFILL_MIN_TOKENS=0"
@@ -233,7 +200,7 @@ class HostExperts:
         self.cpu_slot_of = cpu_slot_of
         if cpu_slot_of.device.type == "cuda":
             self.expert_map = cpu_slot_of
-            self.shadow._buffers["_expert_map"] = cpu_slot_of  # read by RoutedExperts.expert_map
+            set_expert_map(self.shadow, cpu_slot_of)
 
     def _keep_copy(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.tensors = {name: param.data.contiguous() for name, param in params.items()}
@@ -252,9 +219,7 @@ class HostExperts:
         (swapped into the shadow for the call; its own host parameters come back after)."""
         if self.expert_map is None:
             topk_ids, topk_weights = route_to_gpu_slots(topk_ids, topk_weights, self.cpu_slot_of)
-        own = self.shadow._parameters
-        self.shadow._parameters = {name: torch.nn.Parameter(t, requires_grad=False) for name, t in staged.items()}
-        try:
+        with parameters_swapped(self.shadow, staged):
             if self.binds_scales:
                 self._bind_kernel(staged)
             return self.native.apply(
@@ -265,8 +230,6 @@ class HostExperts:
                 shared_experts=None,
                 shared_experts_input=None,
             )
-        finally:
-            self.shadow._parameters = own
 
     def _bind_kernel(self, staged: dict[str, torch.Tensor]) -> None:
         """Point the native method at a kernel built on ``staged``'s scales (the shadow's
@@ -275,9 +238,8 @@ class HostExperts:
         weights already in kernel format), so each staging buffer gets its own, kept."""
         key = staged["w13_weight"].data_ptr()
         if key not in self._kernels:
-            self.native._init_moe_kernel(self.shadow)
-            self._kernels[key] = (self.native.moe_quant_config, self.native.moe_kernel)
-        self.native.moe_quant_config, self.native.moe_kernel = self._kernels[key]
+            self._kernels[key] = rebuild_moe_kernel(self.native, self.shadow)
+        use_moe_kernel(self.native, self._kernels[key])
 
 
 class StagingBuffers:

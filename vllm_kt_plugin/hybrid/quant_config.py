@@ -7,7 +7,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +17,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name
 from vllm_kt_plugin.planning.layer_plan import LayerPlan, check_plan
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
@@ -30,29 +30,11 @@ if TYPE_CHECKING:
     from vllm.model_executor.models.utils import WeightsMapper
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.runtime import LayerContext
 
 logger = logging.getLogger(LOGGER_NAME)
 
 QUANT_NAME = "kt-hybrid"
-
-
-def resolve_native_method_name(hf_quant_cfg: dict[str, Any]) -> str:
-    """The vLLM method for a checkpoint's ``quantization_config`` — e.g. ``gptq`` becomes
-    ``gptq_marlin`` where Marlin runs. vLLM decides this in
-    ``ModelConfig._verify_quantization``; we run that same code on a stand-in config."""
-    from vllm.config.model import ModelConfig
-
-    stand_in = SimpleNamespace(
-        quantization=None,
-        model_arch_config=SimpleNamespace(quantization_config=hf_quant_cfg),
-        hf_config=None,
-        allow_deprecated_quantization=False,
-    )
-    ModelConfig._verify_quantization(stand_in)  # type: ignore[arg-type]
-    name = stand_in.quantization
-    if not name:
-        raise ValueError(f"cannot tell the quantization method of {hf_quant_cfg!r}")
-    return str(name)
 
 
 def current_host_share() -> HostShare:
@@ -205,8 +187,20 @@ class KTHybridConfig(QuantizationConfig):
             from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 
             with _logged_config_errors():
-                return KTHybridMoEMethod(layer, prefix, self)
+                return KTHybridMoEMethod(layer, prefix, self.layer_context())
         return self.native_quant_method(layer, prefix)
+
+    def layer_context(self) -> LayerContext:
+        """What a MoE layer of this process is given (not this whole config)."""
+        from vllm_kt_plugin.hybrid.runtime import LayerContext, runtime
+
+        return LayerContext(
+            settings=self.process_settings,
+            plan=self.layer_plan,
+            backend=self.backend,
+            make_native=self.native_moe_method,
+            runtime=runtime(),
+        )
 
     def native_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """What vLLM would use for ``layer`` without kt-hybrid."""

@@ -8,9 +8,10 @@ GPU slots.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from vllm_kt_plugin.hybrid.vllm_compat import attach_quant_method, bare_copy
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -27,15 +28,7 @@ def shadow_layer(
     native method (which sizes itself by ``moe_config.num_local_experts``, hence a copy of
     that too), on vLLM's ``moe_backend`` where given (else the layer's choice); no weights
     created yet."""
-    shadow = copy.copy(layer)
-    shadow._parameters = {}
-    shadow._buffers = dict(layer._buffers)  # the expert map and other routing state
-    shadow._modules = {}
-    shadow.moe_config = copy.copy(layer.moe_config)
-    shadow.moe_config.num_local_experts = num_experts
-    if moe_backend is not None:
-        shadow.moe_config.moe_backend = moe_backend
-    shadow.local_num_experts = num_experts
+    shadow = bare_copy(layer, num_experts, moe_backend)
     native = make_native(shadow)
-    object.__setattr__(shadow, "quant_method", native)  # nn.Module's setattr would register it
+    attach_quant_method(shadow, native)
     return shadow, native

@@ -1,4 +1,4 @@
-"""Deciding where experts live, before any weight loads: model weight sizes
-(``model_memory``), how many experts fit the GPU (``gpu_budget``), routing profiles
-(``routing_profile``), which experts go to the GPU (``placement``) and the per-layer plan
-that combines them (``layer_plan``). Pure logic plus vLLM's config; no kernels."""
+"""Deciding where experts live, before any weight loads: how many experts fit the GPU
+(``gpu_budget``), which experts go to the GPU (``placement``) and the per-layer plan that
+combines them (``layer_plan``), from the model facts below them in ``settings``
+(``model_memory``, ``routing_profile``). Pure logic plus vLLM's config; no kernels."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm_kt_plugin.planning.model_memory import ModelMemory
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.model_memory import ModelMemory
 from vllm_kt_plugin.settings.variables import KTSettings
 
 # Default KV-cache reserve: a fifth of the granted memory, at least 2 GB (activations and
@@ -110,12 +110,9 @@ def auto_gpu_prefill_refusal(
     host, or None where it turns it on."""
     if device_total_bytes is None:
         return NO_CUDA_DEVICE
-    if not memory.stageable(kt_method, tensor_parallel_size):
-        return (
-            f"the checkpoint is quantized ({memory.checkpoint_format}; GPU prefill stages unquantized experts, and "
-            f"block-FP8 ones with KT_METHOD=FP8 on one tensor-parallel rank; here KT_METHOD={kt_method}, "
-            f"--tensor-parallel-size {tensor_parallel_size})"
-        )
+    refusal = memory.staging_refusal(kt_method, tensor_parallel_size)
+    if refusal is not None:
+        return refusal
     granted = device_total_bytes * gpu_memory_utilization
     if not _staging_fits(memory, granted, tensor_parallel_size):
         staging = staging_bytes(memory, 0, tensor_parallel_size)
@@ -170,10 +167,7 @@ def fixed_num_gpu_experts(settings: KTSettings, experts: int) -> GPUExpertBudget
         return GPUExpertBudget(count, f"KT_GPU_EXPERTS_RATIO={settings.gpu_experts_ratio:g} of {experts} -> {count}")
     if settings.gpu_experts_auto:
         return None
-    if settings.num_gpu_experts > experts:
-        raise KTConfigError(
-            "KT_NUM_GPU_EXPERTS", str(settings.num_gpu_experts), f"the model has {experts} routed experts"
-        )
+    # At most ``experts``: KTSettings.check_model refused more at config time.
     return GPUExpertBudget(settings.num_gpu_experts, f"KT_NUM_GPU_EXPERTS={settings.num_gpu_experts}")
 
 

@@ -18,11 +18,11 @@ from vllm_kt_plugin.planning.gpu_budget import (
     measured_device_total_bytes,
     resolve_num_gpu_experts,
 )
-from vllm_kt_plugin.planning.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.planning.placement import ExpertPlacement, plan_placements, plan_placements_from_settings
-from vllm_kt_plugin.planning.routing_profile import RoutingProfile, load_routing_profile
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
+from vllm_kt_plugin.settings.routing_profile import RoutingProfile, load_routing_profile
 from vllm_kt_plugin.settings.variables import KTSettings
 
 logger = logging.getLogger(LOGGER_NAME)

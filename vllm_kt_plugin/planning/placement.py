@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kt_plugin.planning.routing_profile import RoutingProfile, load_routing_profile
 from vllm_kt_plugin.settings.catalogue import PLACEMENT_STRATEGIES
+from vllm_kt_plugin.settings.routing_profile import RoutingProfile, load_routing_profile
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.settings.variables import KTSettings

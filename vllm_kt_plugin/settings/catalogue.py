@@ -1,16 +1,21 @@
-"""Every KT_* variable the plugin reads: name, default, allowed values, meaning.
+"""Every KT_* variable the plugin reads, one entry each: name, default, allowed values,
+meaning, parser and value when unset (``VARIABLES``).
 
 The bottom of the package, like vLLM's ``vllm/envs.py``: it imports nothing else from
-``vllm_kt_plugin``, so every other module can read it. Parsing and checking live above
-it (``variables``, ``presets``, ``loader``); the error type formats its ``allowed`` text
-from here.
+``vllm_kt_plugin``, so every other module can read it. ``KTSettings.from_env``
+(``variables``) parses every entry with its parser, the settings document
+(docs/settings.md) is generated from the entries' texts, and the error type takes its
+``allowed`` text from here. Checks between variables, and against the model or host,
+live above (``variables``, ``presets``, ``loader``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Under vLLM's logger tree, so messages appear (and are filtered) like vLLM's own.
 LOGGER_NAME = "vllm.kt_hybrid"
@@ -98,12 +103,115 @@ def default_cache_dir() -> Path:
     return cache_root() / "kt-weights"
 
 
+# --- parsers: the text of a set variable (stripped, not empty) -> its value -------------
+# A parser raises ValueError with the reason; ``variables.parse_variable`` turns it into
+# the KTConfigError line that names the variable, its value and what the catalogue allows.
+
+
+class _Auto:
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()  # the value of a variable set to ``auto``
+
+
+def integer(minimum: int, *, auto: bool = False) -> Callable[[str], Any]:
+    """An integer >= ``minimum`` (or ``auto``, giving AUTO, where ``auto``)."""
+
+    def parse(raw: str) -> Any:
+        if auto and raw.lower() == "auto":
+            return AUTO
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def number(minimum: float, maximum: float | None = None, *, above_minimum: bool = False) -> Callable[[str], float]:
+    """A number in [minimum, maximum] (above ``minimum`` where ``above_minimum``)."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError("not a number") from None
+        if not value >= minimum or (maximum is not None and value > maximum):  # `not >=` also catches nan
+            raise ValueError(
+                f"must be in [{minimum:g}, {maximum:g}]" if maximum is not None else f"must be >= {minimum:g}"
+            )
+        if above_minimum and value == minimum:
+            raise ValueError(f"must be > {minimum:g}")
+        return value
+
+    return parse
+
+
+def text(raw: str) -> str:
+    return raw
+
+
+def upper(raw: str) -> str:
+    return raw.upper()
+
+
+def one_of(choices: tuple[str, ...], reason: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.lower() not in choices:
+            raise ValueError(reason)
+        return raw.lower()
+
+    return parse
+
+
+def existing_directory(raw: str) -> str:
+    path = Path(raw).expanduser()
+    if not path.exists():
+        raise ValueError("no such directory")
+    if not path.is_dir():
+        raise ValueError("not a directory")
+    return str(path.resolve())
+
+
+def writable_directory(raw: str) -> str:
+    """Created now: one that cannot be written would otherwise fail only after vLLM has
+    loaded every GPU weight and quantized the first layer."""
+    where = Path(raw).expanduser()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create it: {exc.strerror}") from None
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError("not a writable directory")
+    return str(where.resolve())
+
+
+def absolute_path(raw: str) -> str:
+    return str(Path(raw).expanduser().resolve())
+
+
 @dataclass(frozen=True)
 class Variable:
+    """One KT_* variable: its name; ``default``, ``allowed`` and ``help``, the texts of the
+    settings document (docs/settings.md) and of error messages; ``parse``, the parser of
+    a set value; ``unset``, its value when unset (a callable is called each time); and
+    ``field``, the KTSettings field it sets (None: read elsewhere, e.g. KT_CONFIG)."""
+
     name: str
     default: str
     allowed: str
     help: str
+    parse: Callable[[str], Any] = text
+    unset: Any = None
+    field: str | None = None
+
+    def unset_value(self) -> Any:
+        return self.unset() if callable(self.unset) else self.unset
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -112,96 +220,142 @@ VARIABLES: tuple[Variable, ...] = (
         DEFAULT_BACKEND,
         "a registered CPU-expert backend: kt_kernel, torch, or one from an installed plugin",
         "which code computes the CPU experts",
+        text,
+        DEFAULT_BACKEND,
+        "backend",
     ),
     Variable(
         "KT_METHOD",
         "from the checkpoint (BF16 for unquantized, FP8 / FP8_PERCHANNEL / GPTQ_INT4 / RAWINT4)",
         f"a kt-kernel inference method ({', '.join(KT_METHODS)}); torch backend: BF16",
         "how the CPU experts are stored and computed",
+        upper,
+        None,
+        "method",
     ),
     Variable(
         "KT_WEIGHT_PATH",
         "the model directory, for methods that read the Hugging Face checkpoint",
         "an existing directory holding the CPU expert weights in KT_METHOD's format",
         "where kt-kernel reads the CPU experts",
+        existing_directory,
+        None,
+        "weight_path",
     ),
     Variable(
         "KT_CACHE_DIR",
         "$XDG_CACHE_HOME/vllm-kt-plugin/kt-weights (~/.cache/... without XDG_CACHE_HOME)",
         "a directory that exists or can be created, and is writable",
         "where AMXINT4/AMXINT8 CPU experts quantized online are kept (one folder per model, method, pools)",
+        writable_directory,
+        lambda: str(default_cache_dir()),
+        "cache_dir",
     ),
     Variable(
         "KT_NUM_GPU_EXPERTS",
         "0",
         "an integer from 0 to the number of routed experts per layer, or auto (as many as fit the GPU)",
         "experts per MoE layer kept on the GPU (which ones: KT_EXPERT_PLACEMENT)",
+        integer(0, auto=True),
+        0,
+        "num_gpu_experts",  # AUTO: gpu_experts_auto, and 0 until resolved
     ),
     Variable(
         "KT_GPU_EXPERTS_RATIO",
         "unset",
         "a number from 0 to 1, not together with KT_NUM_GPU_EXPERTS",
         "fraction of each layer's routed experts kept on the GPU (rounded)",
+        number(0.0, 1.0),
+        None,
+        "gpu_experts_ratio",
     ),
     Variable(
         "KT_KV_CACHE_RESERVE_GB",
         "20% of the memory vLLM is granted, at least 2",
         "a number >= 0 (GB = 2**30 bytes)",
         "GPU memory KT_NUM_GPU_EXPERTS=auto leaves for the KV cache, activations and CUDA graphs",
+        number(0.0),
+        None,
+        "kv_cache_reserve_gb",
     ),
     Variable(
         "KT_GPU_MEMORY_GB",
         "measured by vLLM's platform (NVML); unset without a CUDA GPU",
         "a number > 0 (GB = 2**30 bytes, e.g. 80 for an 80 GB A100/H100)",
         "GPU size used by KT_NUM_GPU_EXPERTS=auto and by a KT_CONFIG preset's table",
+        number(0.0, above_minimum=True),
+        None,
+        "gpu_memory_gb",
     ),
     Variable(
         "KT_EXPERT_PLACEMENT",
         "uniform",
         f"{', '.join(PLACEMENT_STRATEGIES)} (frequency needs KT_EXPERT_PROFILE)",
         "which experts of each layer go to the GPU",
+        one_of(PLACEMENT_STRATEGIES, "unknown strategy"),
+        "uniform",
+        "expert_placement",
     ),
     Variable(
         "KT_EXPERT_PROFILE",
         "unset",
         'an existing JSON routing profile {"model", "num_experts", "layers": {"<layer>": [count per expert]}}',
         "expert activation counts for KT_EXPERT_PLACEMENT=frequency",
+        absolute_path,  # read (and checked) by the loader
+        None,
+        "expert_profile",
     ),
     Variable(
         "KT_EXPERT_PLACEMENT_SEED",
         "0",
         "an integer >= 0",
         "seed of KT_EXPERT_PLACEMENT=random",
+        integer(0),
+        0,
+        "expert_placement_seed",
     ),
     Variable(
         "KT_CONFIG",
         "unset",
         "a preset name from configs/ (e.g. deepseek-v3, qwen3-30b-a3b) or the path of a preset YAML file",
         "preset settings for a model; KT_* variables override them",
+        # read by the loader, which lays the preset under the environment
     ),
     Variable(
         "KT_CPUINFER",
         f"usable cores - {RESERVED_CORES}, at least 1",
         "a positive integer",
         "CPU threads computing experts",
+        integer(1),
+        None,  # divided from the host's usable cores (KTSettings.cpuinfer_threads)
+        "requested_threads",
     ),
     Variable(
         "KT_THREADPOOL_COUNT",
         "1",
         "a positive integer, at most the NUMA node count and at most KT_CPUINFER",
         "thread pools (one per NUMA node)",
+        integer(1),
+        1,
+        "threadpool_count",
     ),
     Variable(
         "KT_CHUNKED_PREFILL_SIZE",
         "vLLM's max_num_batched_tokens",
         "an integer >= vLLM's max_num_batched_tokens",
         "tokens kt-kernel's buffers hold per forward",
+        integer(1),
+        None,
+        "chunked_prefill_size",
     ),
     Variable(
         "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN",
         "0",
         "an integer from 0 to top_k - 1",
         "CPU experts per token whose result is added one layer later (0 on the last MoE layer)",
+        integer(0),
+        0,
+        "max_deferred_experts_per_token",
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
@@ -211,6 +365,9 @@ VARIABLES: tuple[Variable, ...] = (
         "auto, or an integer >= 0 (0 = off)",
         "forward passes with at least this many tokens compute every expert on the GPU, "
         "the CPU experts' weights streamed in layer by layer",
+        integer(0, auto=True),
+        None,  # auto (None in KTSettings): decided per model and host by planning
+        "gpu_prefill_min_tokens",
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",
@@ -218,12 +375,18 @@ VARIABLES: tuple[Variable, ...] = (
         "an integer >= 0; needs KT_METHOD=BF16 and one tensor-parallel rank",
         "every N-th forward pass that runs outside CUDA graphs, each layer's most-picked CPU experts swap "
         "places with its least-picked GPU experts (routing counted on the device, CUDA graphs included)",
+        integer(0),
+        0,
+        "dynamic_gpu_experts",
     ),
     Variable(
         "KT_METRICS_INTERVAL",
         "0 (off)",
         "a number of seconds >= 0",
         "log per-layer CPU-expert, GPU-expert and CPU-wait times every N seconds (also Prometheus counters)",
+        number(0.0),
+        0.0,
+        "metrics_interval_s",
     ),
 )
 KNOWN_VARIABLES = frozenset(v.name for v in VARIABLES)

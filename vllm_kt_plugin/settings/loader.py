@@ -14,9 +14,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import replace
 
-from vllm_kt_plugin.planning.routing_profile import load_routing_profile
 from vllm_kt_plugin.settings.catalogue import KNOWN_VARIABLES, KT_KERNEL_OWN_VARIABLES, LOGGER_NAME, SETTINGS_PREFIX
 from vllm_kt_plugin.settings.presets import apply_preset
+from vllm_kt_plugin.settings.routing_profile import load_routing_profile
 from vllm_kt_plugin.settings.variables import ALONE, HostShare, KTSettings, numa_node_count, usable_cores
 
 logger = logging.getLogger(LOGGER_NAME)

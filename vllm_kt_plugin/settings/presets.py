@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from vllm_kt_plugin.planning.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB, KNOWN_VARIABLES, KT_METHODS, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
-from vllm_kt_plugin.settings.variables import KTSettings, parse_positive_float
+from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
+from vllm_kt_plugin.settings.variables import KTSettings, parse_variable
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -241,7 +241,7 @@ def apply_preset(
 def _apply_gpu_table(preset: Preset, merged: dict[str, str], detect_gpu_gb: Callable[[], float | None]) -> str:
     if not preset.experts_by_gpu_gb or merged.get("KT_NUM_GPU_EXPERTS") or merged.get("KT_GPU_EXPERTS_RATIO"):
         return ""
-    gpu_gb = parse_positive_float(merged, "KT_GPU_MEMORY_GB")
+    gpu_gb = parse_variable(merged, "KT_GPU_MEMORY_GB")
     if gpu_gb is None:
         gpu_gb = detect_gpu_gb()
     if gpu_gb is None:

@@ -13,31 +13,17 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import (
-    DEFAULT_BACKEND,
-    LOGGER_NAME,
-    PLACEMENT_STRATEGIES,
-    RESERVED_CORES,
-    default_cache_dir,
-)
+from vllm_kt_plugin.settings.catalogue import AUTO, BY_NAME, LOGGER_NAME, RESERVED_CORES, VARIABLES
 from vllm_kt_plugin.settings.errors import KTConfigError
 
 logger = logging.getLogger(LOGGER_NAME)
 
 
 def check_cache_dir(path: str) -> str:
-    """Create the cache directory now: one that cannot be written would otherwise fail
-    only after vLLM has loaded every GPU weight and quantized the first layer."""
-    where = Path(path).expanduser()
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KTConfigError("KT_CACHE_DIR", path, f"cannot create it: {exc.strerror}") from None
-    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
-        raise KTConfigError("KT_CACHE_DIR", path, "not a writable directory")
-    return str(where.resolve())
+    """KT_CACHE_DIR ``path``, created now (the catalogue's parser), resolved."""
+    return str(parse_variable({"KT_CACHE_DIR": path}, "KT_CACHE_DIR"))
 
 
 def usable_cores() -> int:
@@ -119,46 +105,23 @@ def check_threadpool_count(pools: int, threads: int, numa_nodes: int) -> None:
         raise KTConfigError("KT_THREADPOOL_COUNT", str(pools), f"only {threads} CPU thread(s) (KT_CPUINFER)")
 
 
-def _int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+def parse_variable(env: Mapping[str, str], name: str) -> Any:
+    """Variable ``name`` of ``env`` through its catalogue parser: its value, or the
+    catalogue's value when unset (or empty); a bad value is one KTConfigError line."""
+    variable = BY_NAME[name]
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return None
+        return variable.unset_value()
     try:
-        value = int(raw.strip())
-    except ValueError:
-        raise KTConfigError(name, raw, "not an integer") from None
-    if value < minimum:
-        raise KTConfigError(name, raw, f"must be >= {minimum}")
-    return value
+        return variable.parse(raw.strip())
+    except ValueError as exc:
+        raise KTConfigError(name, raw, str(exc)) from None
 
 
-def _int_or_auto(env: Mapping[str, str], name: str, minimum: int) -> int | None:
-    """An integer, or None for ``auto`` (also when unset)."""
-    if env.get(name, "").strip().lower() == "auto":
-        return None
-    return _int(env, name, minimum)
-
-
-def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float | None = None) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise KTConfigError(name, raw, "not a number") from None
-    if not value >= minimum or (maximum is not None and value > maximum):  # `not >=` also catches nan
-        raise KTConfigError(
-            name, raw, f"must be in [{minimum:g}, {maximum:g}]" if maximum is not None else f"must be >= {minimum:g}"
-        )
-    return value
-
-
-def _str(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    return raw.strip()
+def _unset(name: str) -> Any:
+    """A KTSettings field's default: the catalogue's value of an unset variable."""
+    value = BY_NAME[name].unset
+    return field(default_factory=value) if callable(value) else value
 
 
 @dataclass(frozen=True)
@@ -166,26 +129,26 @@ class KTSettings:
     """Validated KT_* settings. ``None`` means "use the default that depends on the
     model or on vLLM", resolved by the ``resolve_*`` helpers once that is known."""
 
-    backend: str = DEFAULT_BACKEND
-    method: str | None = None
-    weight_path: str | None = None
-    num_gpu_experts: int = 0
+    backend: str = _unset("KT_BACKEND")
+    method: str | None = _unset("KT_METHOD")
+    weight_path: str | None = _unset("KT_WEIGHT_PATH")
+    num_gpu_experts: int = _unset("KT_NUM_GPU_EXPERTS")
     cpuinfer_threads: int = 1
-    requested_threads: int | None = None  # KT_CPUINFER as given; None: divided from the usable cores
-    threadpool_count: int = 1
-    chunked_prefill_size: int | None = None
-    max_deferred_experts_per_token: int = 0
-    cache_dir: str = field(default_factory=lambda: str(default_cache_dir()))
+    requested_threads: int | None = _unset("KT_CPUINFER")  # as given; None: divided from the usable cores
+    threadpool_count: int = _unset("KT_THREADPOOL_COUNT")
+    chunked_prefill_size: int | None = _unset("KT_CHUNKED_PREFILL_SIZE")
+    max_deferred_experts_per_token: int = _unset("KT_MAX_DEFERRED_EXPERTS_PER_TOKEN")
+    cache_dir: str = _unset("KT_CACHE_DIR")
     gpu_experts_auto: bool = False  # KT_NUM_GPU_EXPERTS=auto; num_gpu_experts is then 0 until resolved
-    gpu_experts_ratio: float | None = None
-    kv_cache_reserve_gb: float | None = None
-    gpu_memory_gb: float | None = None
-    expert_placement: str = "uniform"
-    expert_profile: str | None = None
-    expert_placement_seed: int = 0
-    metrics_interval_s: float = 0.0
-    gpu_prefill_min_tokens: int | None = None  # None: auto (see the catalogue); 0: off
-    dynamic_gpu_experts: int = 0  # refresh every N-th forward outside CUDA graphs; 0: static placement
+    gpu_experts_ratio: float | None = _unset("KT_GPU_EXPERTS_RATIO")
+    kv_cache_reserve_gb: float | None = _unset("KT_KV_CACHE_RESERVE_GB")
+    gpu_memory_gb: float | None = _unset("KT_GPU_MEMORY_GB")
+    expert_placement: str = _unset("KT_EXPERT_PLACEMENT")
+    expert_profile: str | None = _unset("KT_EXPERT_PROFILE")
+    expert_placement_seed: int = _unset("KT_EXPERT_PLACEMENT_SEED")
+    metrics_interval_s: float = _unset("KT_METRICS_INTERVAL")
+    gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
+    dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
@@ -203,37 +166,19 @@ class KTSettings:
         """Parse and check every KT_* variable that needs no model knowledge; ``share``:
         the host's kt-kernel processes, among which the default threads are divided."""
         env = os.environ if env is None else env
-        cores = usable_cores() if cores is None else cores
-        numa_nodes = numa_node_count() if numa_nodes is None else numa_nodes
-        backend = _str(env, "KT_BACKEND") or DEFAULT_BACKEND
-        method = _str(env, "KT_METHOD")
-        if method is not None:
-            method = method.upper()
-
-        weight_path = _str(env, "KT_WEIGHT_PATH")
-        if weight_path is not None:
-            path = Path(weight_path).expanduser()
-            if not path.exists():
-                raise KTConfigError("KT_WEIGHT_PATH", weight_path, "no such directory")
-            if not path.is_dir():
-                raise KTConfigError("KT_WEIGHT_PATH", weight_path, "not a directory")
-            weight_path = str(path.resolve())
-
-        gpu_auto = (_str(env, "KT_NUM_GPU_EXPERTS") or "").lower() == "auto"
-        num_gpu = None if gpu_auto else _int(env, "KT_NUM_GPU_EXPERTS", 0)
-        ratio = _float(env, "KT_GPU_EXPERTS_RATIO", 0.0, 1.0)
-        if ratio is not None and _str(env, "KT_NUM_GPU_EXPERTS") is not None:
+        values = {v.field: parse_variable(env, v.name) for v in VARIABLES if v.field is not None}
+        gpu_auto = values["num_gpu_experts"] is AUTO
+        if gpu_auto:
+            values["num_gpu_experts"] = 0  # resolved for the device by planning
+        if values["gpu_prefill_min_tokens"] is AUTO:
+            values["gpu_prefill_min_tokens"] = None  # decided per model and host by planning
+        if values["gpu_experts_ratio"] is not None and (env.get("KT_NUM_GPU_EXPERTS") or "").strip():
             raise KTConfigError(
                 "KT_GPU_EXPERTS_RATIO", env["KT_GPU_EXPERTS_RATIO"], "KT_NUM_GPU_EXPERTS is set too; set only one"
             )
-        placement, profile = _placement(env)
-        requested_threads = _int(env, "KT_CPUINFER", 1)
-        pools = _int(env, "KT_THREADPOOL_COUNT", 1) or 1
-        chunk = _int(env, "KT_CHUNKED_PREFILL_SIZE", 1)
-        deferred = _int(env, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", 0) or 0
-        cache_dir = _str(env, "KT_CACHE_DIR")
-        dynamic = _int(env, "KT_DYNAMIC_GPU_EXPERTS", 0) or 0
-        prefill = _int_or_auto(env, "KT_GPU_PREFILL_MIN_TOKENS", 0)
+        if values["expert_placement"] == "frequency" and values["expert_profile"] is None:
+            raise KTConfigError("KT_EXPERT_PLACEMENT", "frequency", "KT_EXPERT_PROFILE is unset")
+        dynamic, prefill = values["dynamic_gpu_experts"], values["gpu_prefill_min_tokens"]
         if dynamic and prefill:
             raise KTConfigError(
                 "KT_DYNAMIC_GPU_EXPERTS",
@@ -241,28 +186,7 @@ class KTSettings:
                 f"KT_GPU_PREFILL_MIN_TOKENS={prefill} is set too: GPU prefill stages a fixed set of CPU experts",
                 "0, or KT_GPU_PREFILL_MIN_TOKENS unset or 0 (auto turns GPU prefill off with dynamic experts)",
             )
-
-        return cls(
-            backend=backend,
-            method=method,
-            weight_path=weight_path,
-            num_gpu_experts=num_gpu or 0,
-            requested_threads=requested_threads,
-            threadpool_count=pools,
-            chunked_prefill_size=chunk,
-            max_deferred_experts_per_token=deferred,
-            cache_dir=check_cache_dir(cache_dir) if cache_dir else str(default_cache_dir()),
-            gpu_experts_auto=gpu_auto,
-            gpu_experts_ratio=ratio,
-            kv_cache_reserve_gb=_float(env, "KT_KV_CACHE_RESERVE_GB", 0.0),
-            gpu_memory_gb=parse_positive_float(env, "KT_GPU_MEMORY_GB"),
-            expert_placement=placement,
-            expert_profile=profile,
-            expert_placement_seed=_int(env, "KT_EXPERT_PLACEMENT_SEED", 0) or 0,
-            metrics_interval_s=_float(env, "KT_METRICS_INTERVAL", 0.0) or 0.0,
-            gpu_prefill_min_tokens=prefill,
-            dynamic_gpu_experts=dynamic,
-        )._shared(share, cores=cores, numa_nodes=numa_nodes)
+        return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
 
     def for_host(self, share: HostShare, *, cores: int | None = None, numa_nodes: int | None = None) -> KTSettings:
         """These settings in one of this host's ``share.ranks`` kt-kernel processes: vLLM
@@ -341,23 +265,3 @@ class KTSettings:
             f"threads={self.cpuinfer_threads}{host} pools={self.threadpool_count} "
             f"weight_path={self.weight_path or '<model dir>'}" + (f" preset={self.preset}" if self.preset else "")
         )
-
-
-def parse_positive_float(env: Mapping[str, str], name: str) -> float | None:
-    value = _float(env, name, 0.0)
-    if value == 0.0:
-        raise KTConfigError(name, env[name], "must be > 0")
-    return value
-
-
-def _placement(env: Mapping[str, str]) -> tuple[str, str | None]:
-    """KT_EXPERT_PLACEMENT and the path of its routing profile (read by the loader)."""
-    placement = (_str(env, "KT_EXPERT_PLACEMENT") or "uniform").lower()
-    if placement not in PLACEMENT_STRATEGIES:
-        raise KTConfigError("KT_EXPERT_PLACEMENT", env["KT_EXPERT_PLACEMENT"], "unknown strategy")
-    profile = _str(env, "KT_EXPERT_PROFILE")
-    if placement == "frequency" and profile is None:
-        raise KTConfigError("KT_EXPERT_PLACEMENT", placement, "KT_EXPERT_PROFILE is unset")
-    if profile is not None:
-        profile = str(Path(profile).expanduser().resolve())
-    return placement, profile

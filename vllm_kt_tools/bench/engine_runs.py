@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
-from vllm_kt_plugin.planning.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_plugin.settings.model_memory import ModelMemory, estimate_model_memory
 from vllm_kt_tools.bench.report import large_forwards, layer_metrics
 from vllm_kt_tools.support.child import run_child
 from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
@@ -354,7 +354,7 @@ PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-o
 def shape_config(shape: str, checkpoint: str = "bf16", layers: int = 0) -> dict[str, Any]:
     """A built-in shape's config.json, with ``layers`` decoder layers (0: all) and, for a
     quantized ``checkpoint``, its ``quantization_config``."""
-    from vllm_kt_plugin.planning.model_memory import moe_layer_indices
+    from vllm_kt_plugin.settings.model_memory import moe_layer_indices
     from vllm_kt_tools.support.quantized_checkpoints import fp8_block_config
 
     config = dict(SHAPES[shape])

@@ -67,15 +67,18 @@ def layer_benchmark(
         gen = torch.Generator(device="cuda").manual_seed(0)
         from vllm.forward_context import set_forward_context
 
-        prefill_from = method.prefill_min_tokens
-        method.prefill_min_tokens = 2**31  # the decode timings take the CPU path
+        gpu_prefill = method.gpu_prefill  # the GPU-prefill path, None where it is off
+        prefill_from = gpu_prefill.min_tokens if gpu_prefill is not None else 0
+        if gpu_prefill is not None:
+            gpu_prefill.min_tokens = 2**31  # the decode timings take the CPU path
         with set_forward_context(None, vllm_config):
             results["tokens"] = {str(n): _time_layer(method, layer, cpu, n, sizes, gen, time_ms) for n in tokens}
-            method.prefill_min_tokens = prefill_from
-            if prefill_tokens and method.host is not None:
+            if gpu_prefill is not None:
+                gpu_prefill.min_tokens = prefill_from
+            if prefill_tokens and gpu_prefill is not None and gpu_prefill.host is not None:
                 prefill = {str(n): _time_prefill(method, layer, n, sizes, gen, time_ms) for n in prefill_tokens}
-                results["gpu_prefill_staged_gib_per_layer"] = round(method.host.staged_nbytes / 2**30, 3)
-                results["gpu_prefill_written_by_cpu_backend"] = not method.host.copies  # copy_ms includes it
+                results["gpu_prefill_staged_gib_per_layer"] = round(gpu_prefill.host.staged_nbytes / 2**30, 3)
+                results["gpu_prefill_written_by_cpu_backend"] = not gpu_prefill.host.copies  # copy_ms includes it
                 results["gpu_prefill"] = prefill
                 results["gpu_prefill_break_even_tokens"] = next(
                     (int(n) for n, t in prefill.items() if t["pipelined_ms"] < t["cpu_path_ms"]), None
@@ -129,8 +132,9 @@ def random_routing(n: int, num_experts: int, top_k: int, gen: Any, device: Any) 
 def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
     """CPU path vs GPU path (copy, compute) of one layer for ``n`` tokens."""
     x, weights, ids = _routing(n, sizes, gen)
-    staging, host = method.staging, method.host
-    threshold = method.prefill_min_tokens
+    path = method.gpu_prefill
+    staging, host = path.staging, path.host
+    threshold = path.min_tokens
     repeats = 5
 
     def forward() -> Any:  # its path set by the threshold; on the GPU, the weights already staged
@@ -141,12 +145,12 @@ def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, 
         index, _ = staging.acquire(host)
         staging.release(index)
 
-    method.prefill_min_tokens = n + 1
+    path.min_tokens = n + 1
     cpu_ms = time_ms(forward, repeats)
-    method.prefill_min_tokens = n
+    path.min_tokens = n
     gpu_ms = time_ms(forward, repeats)
     copy_ms = time_ms(copy, repeats)
-    method.prefill_min_tokens = threshold
+    path.min_tokens = threshold
     return {
         "cpu_path_ms": round(cpu_ms, 3),
         "gpu_compute_ms": round(gpu_ms, 3),
@@ -172,7 +176,7 @@ def _time_layer(method: Any, layer: Any, cpu: Any, n: int, sizes: ModelSizes, ge
         return cpu.wrapper.sync_forward(x, stream)
 
     def gpu_experts() -> Any:
-        return method._gpu_experts(layer, x, weights, ids)
+        return method.gpu.apply(layer, x, weights, ids)
 
     t = {
         "hybrid_ms": time_ms(hybrid),

@@ -20,10 +20,10 @@ from typing import Any
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE, READS_HF_CHECKPOINT, weight_files_missing
-from vllm_kt_plugin.planning.model_memory import ModelConfigError, estimate_model_memory
 from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
 from vllm_kt_plugin.settings.variables import (
     ALONE,
     HostShare,

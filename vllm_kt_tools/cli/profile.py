@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.hybrid.routing_recorder import RECORDER
 from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
 
@@ -46,9 +45,12 @@ def profile(model: str, prompts: list[Any], max_tokens: int, llm_args: dict[str,
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams  # deferred: after VLLM_ENABLE_V1_MULTIPROCESSING is set
 
+    from vllm_kt_plugin.hybrid.runtime import runtime  # the engine runs in this process
+
     llm = LLM(model=model, quantization="kt-hybrid", enforce_eager=True, seed=0, **llm_args)
-    RECORDER.reset()  # vLLM's start-up forwards (memory profiling, warm-up) are not the workload
-    RECORDER.enabled = True
+    recorder = runtime().recorder
+    recorder.reset()  # vLLM's start-up forwards (memory profiling, warm-up) are not the workload
+    recorder.enabled = True
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     texts = [p for p in prompts if isinstance(p, str)]
     chats = [p["messages"] for p in prompts if not isinstance(p, str)]
@@ -56,16 +58,16 @@ def profile(model: str, prompts: list[Any], max_tokens: int, llm_args: dict[str,
         llm.generate(texts, params, use_tqdm=False)
     if chats:
         llm.chat(chats, params, use_tqdm=False)
-    RECORDER.enabled = False
-    num_experts = next(iter(RECORDER.counts.values())).numel() if RECORDER.counts else 0
+    recorder.enabled = False
+    num_experts = next(iter(recorder.counts.values())).numel() if recorder.counts else 0
     return {
         "model": model,
         "num_experts": num_experts,
-        "layers": {str(i): c.tolist() for i, c in sorted(RECORDER.counts.items())},
+        "layers": {str(i): c.tolist() for i, c in sorted(recorder.counts.items())},
         "prompts": len(prompts),
         "max_tokens": max_tokens,
-        "cpu_evaluations": sum(RECORDER.cpu_evaluations.values()),
-        "gpu_expert_ids": {str(i): e for i, e in sorted(RECORDER.gpu_expert_ids.items())},
+        "cpu_evaluations": sum(recorder.cpu_evaluations.values()),
+        "gpu_expert_ids": {str(i): e for i, e in sorted(recorder.gpu_expert_ids.items())},
         "settings": {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)},
     }
 

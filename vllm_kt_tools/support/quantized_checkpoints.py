@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, DUMMY_LOW
-from vllm_kt_plugin.planning.model_memory import moe_layer_indices
+from vllm_kt_plugin.settings.model_memory import moe_layer_indices
 from vllm_kt_tools.support.tiny_models import GENERATOR_VERSION, tiny_model_dir
 
 FORMATS = ("fp8-block", "ct-int4", "gptq-int4")

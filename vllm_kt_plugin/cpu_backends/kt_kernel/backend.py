@@ -35,9 +35,9 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files, fp8_blocks
 from vllm_kt_plugin.hookspecs import hookimpl
-from vllm_kt_plugin.planning.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
+from vllm_kt_plugin.settings.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -426,7 +426,7 @@ class KTKernelExperts(CPUExperts):
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         # kt-kernel orders its work on this CUDA stream; 0 selects its synchronous
-        # path on CPU-only hosts (see kt_compat).
+        # path on CPU-only hosts (see compat.py).
         self._stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
         self.wrapper.submit_forward(x, topk_ids, topk_weights, self._stream)
 

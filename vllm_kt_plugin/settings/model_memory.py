@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import BLOCK_FP8, KT_GPU_LAYOUT_WRITERS, UNQUANTIZED
+from vllm_kt_plugin.settings.staging import staging_refusal
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
@@ -80,11 +81,13 @@ class ModelMemory:
         ``kt_method`` (``KT_GPU_LAYOUT_WRITERS``): GPU prefill then keeps no host copy."""
         return KT_GPU_LAYOUT_WRITERS.get(kt_method.upper()) == self.checkpoint_format
 
+    def staging_refusal(self, kt_method: str, tensor_parallel_size: int = 1) -> str | None:
+        """Why GPU prefill cannot stage this checkpoint's CPU experts with ``kt_method``
+        (``settings.staging``: the rule each layer applies too), or None."""
+        return staging_refusal(self.checkpoint_format, kt_method, tensor_parallel_size)
+
     def stageable(self, kt_method: str, tensor_parallel_size: int = 1) -> bool:
-        """Whether GPU prefill can stage this checkpoint's CPU experts with ``kt_method``:
-        unquantized ones (a host copy, or BF16 written back by kt-kernel), block-FP8 ones as
-        kt-kernel's FP8 writes them back (whole experts: one tensor-parallel rank)."""
-        return not self.quantized or (self.written_back(kt_method) and tensor_parallel_size == 1)
+        return self.staging_refusal(kt_method, tensor_parallel_size) is None
 
     def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str, tensor_parallel_size: int = 1) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's

@@ -1,0 +1,117 @@
+"""The hybrid forward's structure on real vLLM MoE layers (torch CPU backend): a forward
+takes the first path in ``paths.PATH_BUILDERS`` that accepts it, and the observers the
+layer subscribed hear it (routing recorder, metrics), with nothing inline for either."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kt_plugin.hybrid import paths, runtime
+from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH
+from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+from vllm_kt_plugin.settings.loader import load_settings
+from vllm_kt_tools.support.moe_layers import HIDDEN, build_moe, load, random_experts, random_routing, reference_moe
+
+E, K = 8, 2
+
+
+@pytest.fixture
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> runtime.HybridRuntime:
+    """A process runtime of the layers this test builds only."""
+    fresh = runtime.HybridRuntime()
+    monkeypatch.setattr(runtime, "_RUNTIME", fresh)
+    return fresh
+
+
+def hybrid_layer(**env: str):
+    config = KTHybridConfig(settings=load_settings({"KT_BACKEND": "torch", **env}, cores=4))
+    runner = build_moe(config)
+    experts = random_experts(E, seed=3)
+    load(runner, experts)
+    return runner.routed_experts, experts
+
+
+def forward(layer, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    ids, weights = random_routing(tokens, E, K, seed=seed)
+    return layer.quant_method.apply(layer, x, weights, ids, None, None), x, ids, weights
+
+
+def test_paths_are_asked_in_order(vllm_layer_context, fresh_runtime) -> None:
+    """GPU prefill before the CPU-experts path, which takes every forward left."""
+    layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_GPU_PREFILL_MIN_TOKENS="12")
+    method = layer.quant_method
+    assert [p.name for p in method.paths] == [GPU_PREFILL_PATH, CPU_PATH]
+    assert [p.name for p in hybrid_layer(KT_NUM_GPU_EXPERTS="3")[0].quant_method.paths] == [CPU_PATH]
+    assert [m.layer_idx for m in fresh_runtime.layers] == sorted(m.layer_idx for m in fresh_runtime.layers)
+
+
+def test_a_new_path_plugs_in_by_its_place_in_the_builders(
+    vllm_layer_context, fresh_runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the split path will land: a builder between GPU prefill and the CPU path
+    takes the forwards it accepts; the others still reach the CPU path."""
+    taken: list[int] = []
+
+    class Doubles(ForwardPath):
+        name = "test-doubles"
+
+        def __init__(self, parts: LayerParts) -> None:
+            self.cpu_path = paths.cpu_path.build(parts)
+
+        def takes(self, fwd: Forward) -> bool:
+            return fwd.tokens == 5
+
+        def run(self, fwd: Forward, marks: StageMarks) -> torch.Tensor:
+            taken.append(fwd.tokens)
+            return 2 * self.cpu_path.run(fwd, marks)
+
+    first, last = paths.PATH_BUILDERS
+    monkeypatch.setattr(paths, "PATH_BUILDERS", (first, Doubles, last))
+    layer, experts = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
+    for tokens, factor in ((5, 2), (6, 1)):
+        out, x, ids, weights = forward(layer, tokens, seed=tokens)
+        ref = reference_moe(x, ids, weights, experts)
+        assert torch.allclose(out.float(), factor * ref, atol=0.05 * ref.abs().max().item()), tokens
+    assert taken == [5]
+
+
+def test_the_recorder_hears_forwards_only_while_enabled(vllm_layer_context, fresh_runtime) -> None:
+    layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
+    recorder = fresh_runtime.recorder
+    forward(layer, 4)
+    assert recorder.counts == {}
+    recorder.enabled = True
+    _, _, ids, _ = forward(layer, 6, seed=1)
+    idx = layer.quant_method.layer_idx
+    assert recorder.counts[idx].tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
+    assert recorder.cpu_evaluations[idx] == int((ids >= 3).sum())  # experts 3..7 are on the CPU
+
+
+def test_metrics_time_the_cpu_path_of_layers_with_cpu_experts(vllm_layer_context, fresh_runtime) -> None:
+    """KT_METRICS_INTERVAL: one process collector, fed by the layer's CPU-path forwards."""
+    layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_METRICS_INTERVAL="3600")
+    metrics = fresh_runtime.metrics(3600.0)
+    assert metrics is not None and metrics.layers == [layer.quant_method.layer_idx]
+    for _ in range(2):
+        forward(layer, 4)
+    totals = metrics.totals()
+    assert [(k, t.forwards) for k, t in totals.items()] == [((layer.quant_method.layer_idx, 4), 2)]
+    all_gpu, _ = hybrid_layer(KT_NUM_GPU_EXPERTS=str(E), KT_METRICS_INTERVAL="3600")
+    assert all_gpu.quant_method.layer_idx not in metrics.layers  # no CPU experts: nothing to time
+
+
+def test_the_compiled_op_finds_its_layer_in_the_forward_context(vllm_layer_context, fresh_runtime) -> None:
+    """``torch.ops.vllm_kt.hybrid_moe`` (what torch.compile calls on vLLM's CPU build)
+    finds the layer by name as vLLM's moe_forward does, and computes the same output."""
+    from vllm.forward_context import set_forward_context
+
+    layer, experts = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
+    eager, x, ids, weights = forward(layer, 8, seed=5)
+    with set_forward_context(None, vllm_layer_context):
+        op = torch.ops.vllm_kt.hybrid_moe(x, weights, ids, layer.layer_name)
+    assert torch.equal(op, eager)
+    ref = reference_moe(x, ids, weights, experts)
+    assert (op.float() - ref).abs().max().item() <= 2**-6 * ref.abs().max().item()

@@ -1,0 +1,151 @@
+"""The shape of one hybrid forward: route -> pick a path -> run it, with observers told.
+
+A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs the first
+that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
+computes the whole routed-experts output of the layer (the GPU experts through
+``GPUExperts``, the CPU experts its own way) and has a say in the layer's weight lifecycle
+where it keeps weights of its own (GPU prefill's host copy).
+
+``ForwardObserver``s watch without changing results: they hear that a forward was routed
+(before any of its work is queued) and which path it takes, and may hand the path
+``StageMarks`` to time its stages (submit, GPU experts, sync). Like the stages of vLLM's
+modular kernel (prepare / experts / finalize), the points are fixed; what happens at them
+is each observer's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
+    from vllm_kt_plugin.hybrid.runtime import LayerContext
+    from vllm_kt_plugin.planning.placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One call of a layer's routed experts."""
+
+    layer: RoutedExperts
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    capturing: bool  # inside a CUDA-graph capture: no Python runs at replay
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What a layer's paths and observers are built from: its name and index, placement,
+    GPU experts (the native method), CPU experts (None on tensor-parallel ranks other than
+    0 and without CPU experts) and context."""
+
+    layer_name: str
+    layer_idx: int
+    moe: FusedMoEConfig
+    placement: ExpertPlacement
+    gpu: GPUExperts
+    cpu: CPUExperts | None
+    context: LayerContext
+    cuda_graph_batch_sizes: tuple[int, ...]  # batch sizes vLLM captures (none on CPU or eager)
+    make_shadow_native: Callable[[RoutedExperts], FusedMoEMethodBase]  # the native method for a shadow
+
+
+class StageMarks(Protocol):
+    """Points of a forward on the CPU-experts path (an observer's timing probe)."""
+
+    def submitted(self) -> None: ...
+
+    def gpu_done(self) -> None: ...
+
+    def synced(self) -> None: ...
+
+
+class _NoMarks:
+    def submitted(self) -> None:
+        pass
+
+    def gpu_done(self) -> None:
+        pass
+
+    def synced(self) -> None:
+        pass
+
+
+NO_MARKS: StageMarks = _NoMarks()
+
+
+class _AllMarks:
+    def __init__(self, marks: Sequence[StageMarks]) -> None:
+        self.marks = marks
+
+    def submitted(self) -> None:
+        for m in self.marks:
+            m.submitted()
+
+    def gpu_done(self) -> None:
+        for m in self.marks:
+            m.gpu_done()
+
+    def synced(self) -> None:
+        for m in self.marks:
+            m.synced()
+
+
+def combined(marks: Sequence[StageMarks]) -> StageMarks:
+    """One ``StageMarks`` for several observers' (NO_MARKS for none)."""
+    if not marks:
+        return NO_MARKS
+    return marks[0] if len(marks) == 1 else _AllMarks(marks)
+
+
+class ForwardObserver:
+    """Watches one layer's forwards; subclasses override what they need."""
+
+    def routed(self, forward: Forward) -> None:
+        """The forward's picks are known and none of its work is queued yet."""
+
+    def path_taken(self, forward: Forward, path: str) -> StageMarks:
+        """The forward takes ``path``; marks for its stages, if this observer times them."""
+        return NO_MARKS
+
+
+class ForwardPath:
+    """One way to compute a layer's routed experts (see the module docstring).
+
+    ``takes`` decides per forward (it must not branch on anything torch.compile would
+    need to guard on but the token count: the CPU build traces the layer); ``run``
+    returns the layer's output for the forward. The lifecycle hooks default to nothing.
+    """
+
+    name: ClassVar[str]
+
+    def takes(self, forward: Forward) -> bool:
+        raise NotImplementedError
+
+    def run(self, forward: Forward, marks: StageMarks) -> torch.Tensor:
+        raise NotImplementedError
+
+    def create_weights(self, layer: RoutedExperts, create_args: dict[str, Any]) -> None:
+        """After the native method created the layer's GPU-expert weights."""
+
+    def load_cpu_expert(
+        self, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, cpu_slot: int
+    ) -> None:
+        """A checkpoint tensor of a CPU expert (``cpu_slot``: its index among them)."""
+
+    def after_loading(self, layer: RoutedExperts) -> None:
+        """After the native post-processing and the CPU backend's finalization."""

@@ -1,0 +1,46 @@
+"""Observers of a layer's forwards (``forward.ForwardObserver``): the routing recorder of
+``vllm-kt profile`` and the per-layer metrics (KT_METRICS_INTERVAL). Dynamic GPU experts
+(``dynamic_experts.DynamicExperts``) observe too. A layer subscribes each where it
+applies, once, when it is built or loaded; the forward itself has no branch for any.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward, ForwardObserver, StageMarks
+from vllm_kt_plugin.hybrid.metrics import CPU_PATH
+
+if TYPE_CHECKING:
+    from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+    from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
+    from vllm_kt_plugin.planning.placement import ExpertPlacement
+
+
+class RecordsRouting(ForwardObserver):
+    """Counts the layer's picks into the process's routing recorder while it is enabled
+    (one attribute read per forward while it is not)."""
+
+    def __init__(self, recorder: RoutingRecorder, layer_idx: int, placement: ExpertPlacement) -> None:
+        self.recorder, self.layer_idx, self.placement = recorder, layer_idx, placement
+
+    def routed(self, forward: Forward) -> None:
+        if self.recorder.enabled:
+            self.recorder.record(self.layer_idx, forward.topk_ids, self.placement.gpu_mask)
+
+
+class TimesLayer(ForwardObserver):
+    """KT_METRICS_INTERVAL on a layer with CPU experts: logs prefill-sized forwards with
+    their path (outside CUDA-graph capture) and times the CPU-experts path's stages."""
+
+    def __init__(self, metrics: HybridMetrics, layer_idx: int) -> None:
+        self.metrics, self.layer_idx = metrics, layer_idx
+        metrics.add_layer(layer_idx)
+
+    def path_taken(self, forward: Forward, path: str) -> StageMarks:
+        if not forward.capturing:
+            self.metrics.large_forward(self.layer_idx, forward.tokens, path)
+        if path != CPU_PATH:
+            return NO_MARKS
+        probe = self.metrics.probe(self.layer_idx, forward.x)
+        return probe if probe is not None else NO_MARKS
