@@ -23,9 +23,9 @@ FP8_BLOCK = CheckpointFormat("fp8", {"quant_method": "fp8", "weight_block_size":
 
 def build(env: dict[str, str], checkpoint: CheckpointFormat = UNQUANTIZED, *, cores: int = 16, numa: int = 1):
     """What KTHybridConfig does at config time: parse, pick the backend, validate."""
-    from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+    from vllm_kt_plugin.hybrid.serve_checks import validated
 
-    return KTHybridConfig._validated(load_settings(env, cores=cores, numa_nodes=numa), checkpoint)
+    return validated(load_settings(env, cores=cores, numa_nodes=numa), checkpoint)
 
 
 def assert_one_line_error(exc: pytest.ExceptionInfo, variable: str, value: str) -> None:
