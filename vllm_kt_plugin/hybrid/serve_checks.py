@@ -25,7 +25,7 @@ from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.presets import load_preset
-from vllm_kt_plugin.settings.variables import KTSettings
+from vllm_kt_plugin.settings.variables import KTSettings, numa_node_count, usable_cores
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
@@ -115,7 +115,10 @@ def preset_mismatch(settings: KTSettings, config: Mapping[str, Any]) -> str | No
     were sized for that model's experts, not this one's."""
     if settings.preset is None:
         return None
-    preset = load_preset(Path(settings.preset), cores=settings.cpuinfer_threads, numa_nodes=1)
+    try:  # read again for its model_config; load_settings accepted it on this machine already
+        preset = load_preset(Path(settings.preset), cores=usable_cores(), numa_nodes=numa_node_count())
+    except KTConfigError:
+        return None
     if preset.memory is None:
         return None
     try:
