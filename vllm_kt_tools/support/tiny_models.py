@@ -15,6 +15,7 @@ kernels (dimensions divisible by 32, MLA head 512 + 64) and kt-kernel's BF16 ker
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,7 +210,12 @@ PROGRESS_EVERY_S = 5.0
 
 
 def print_training_progress(step: int, steps: int, loss: float) -> None:
-    print(f"      training step {step}/{steps}, loss {loss:.3f}", flush=True)
+    """One updating line on a terminal, a line per call in logs."""
+    line = f"      training step {step}/{steps}, loss {loss:.3f}"
+    if sys.stdout.isatty():
+        print(f"\r{line}", end="\n" if step == steps else "", flush=True)
+    else:
+        print(line, flush=True)
 
 
 def _train(model: Any, tokenizer: Any, steps: int, seed: int, progress: TrainingProgress | None = None) -> float:
