@@ -10,7 +10,6 @@ doctor passes exactly what serve accepts.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +20,6 @@ from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.planning.layer_plan import check_plan
 from vllm_kt_plugin.planning.model_memory import ModelConfigError, estimate_model_memory
-from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.presets import load_preset
@@ -29,8 +27,6 @@ from vllm_kt_plugin.settings.variables import KTSettings, numa_node_count, usabl
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
-
-logger = logging.getLogger(LOGGER_NAME)
 
 
 def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSettings, type[CPUExperts]]:
