@@ -160,6 +160,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
         vocab_size=vocab_size,
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars printed blank lines in logs (the demo's silent minutes)
     )
     tok.train_from_iterator([training_text()], trainer=trainer)
     fast = PreTrainedTokenizerFast(
