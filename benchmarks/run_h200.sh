@@ -47,7 +47,7 @@ mkdir -p "$BENCH_OUT"
 [ -d /root/raysite ] && export PYTHONPATH=/root/raysite:$PYTHONPATH PATH=/root/raysite/bin:$PATH
 export PYTHONUNBUFFERED=1
 # vLLM 0.32 cannot load its AOT compile cache back on torch 2.13 and compiles every engine again;
-# its older cache loads (README, *Tests*). Startup only; recorded in the JSON's host.vllm_env.
+# its older cache loads (docs/contributing.md, *Tests*). Startup only; recorded in the JSON's host.vllm_env.
 export VLLM_USE_AOT_COMPILE=${VLLM_USE_AOT_COMPILE:-0}
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 export VLLM_KT_ENGINE_LOCK=${VLLM_KT_ENGINE_LOCK:-$BENCH_OUT/engine.lock}

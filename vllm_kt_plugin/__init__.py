@@ -17,7 +17,8 @@ def register() -> None:
     travel to Ray workers as vLLM's own VLLM_* do (its Ray executor copies variables by
     prefix; a worker on another host would otherwise start with none). Cheap and
     idempotent: it imports vLLM's quantization registry, its Ray environment list (not
-    Ray) and our config class."""
+    Ray) and our config class. A process that dies of a refused KT_* setting ends its
+    output with that one line."""
     global _registered
     if _registered:
         return
@@ -25,8 +26,10 @@ def register() -> None:
     from vllm.ray.ray_env import DEFAULT_ENV_VAR_PREFIXES
 
     from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig
+    from vllm_kt_plugin.hybrid.serve_checks import print_config_errors_last
     from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
     register_quantization_config(QUANT_NAME)(KTHybridConfig)
     DEFAULT_ENV_VAR_PREFIXES.add(SETTINGS_PREFIX)
+    print_config_errors_last()
     _registered = True

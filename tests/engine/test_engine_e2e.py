@@ -103,7 +103,7 @@ def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path
     """AMXINT8 without KT_WEIGHT_PATH: quantized while vLLM loads the checkpoint, cached,
     and loaded from the cache on the next start (same tokens). INT8 is approximate, so
     against plain vLLM: at most one of the six completions may differ, and the top
-    logprobs stay within 0.1 nats while the tokens agree (measured: see the README)."""
+    logprobs stay within 0.1 nats while the tokens agree (measured: docs/design.md, *Online AMX weights*)."""
     model = tiny_model("qwen3_moe")
     kt = {"KT_METHOD": "AMXINT8", "KT_NUM_GPU_EXPERTS": "1", "KT_CACHE_DIR": str(tmp_path)}
     first = hybrid(model, kt)
@@ -172,7 +172,7 @@ def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> No
 
 # Online quantization on a model whose sizes AMXINT4 can tile (the tiny Mixtral: hidden 128,
 # expert width 256; the other tiny models' experts are 64 wide), every expert on the CPU.
-# Measured on this project's AVX-512 machine (README, *Online AMX weights*): AMXINT8 0 of 6
+# Measured on this project's AVX-512 machine (docs/design.md, *Online AMX weights*): AMXINT8 0 of 6
 # completions differ, drift 0.0001; AMXINT4 1 of 6 (the long prompt, at its 24th token),
 # drift 0.0003. The bounds leave room above the worst seen (batches form differently on
 # other machines, and so does the rounding).
@@ -183,7 +183,7 @@ AMX_ACCURACY_BOUNDS = {"AMXINT8": (1, 0.02), "AMXINT4": (2, 0.05)}  # method: (c
 def test_online_amx_accuracy_against_plain_vllm(tiny_model, tmp_path: Path) -> None:
     """What online AMXINT4/AMXINT8 quantization costs: completions that differ from plain
     vLLM's (of the six) and the largest chosen-token logprob drift while the tokens agree
-    (confident completions), each within its measured bound (README, *Online AMX weights*)."""
+    (confident completions), each within its measured bound (docs/design.md, *Online AMX weights*)."""
     model = tiny_model("mixtral")
     expected = plain(model)
     for method, (max_differing, max_drift) in AMX_ACCURACY_BOUNDS.items():

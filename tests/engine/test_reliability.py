@@ -44,7 +44,7 @@ LEAK_REQUESTS, LEAK_SAMPLE_EVERY = 500, 100
 # machine, in steps of 3-25 MiB), so the server runs with MALLOC_ARENA_MAX=2: then 5.3,
 # 7.0 and 10.4 MiB there when the test runs alone, 34.2 MiB once inside a full suite run
 # (still growing by ever smaller steps: 1.6, 7.8, 21.0, 3.9 MiB per 100 requests), and
-# under 1 MiB on the AVX2 CI machine (README, "Reliability"). A leak of 0.15 MiB per
+# under 1 MiB on the AVX2 CI machine (docs/design.md, "Reliability"). A leak of 0.15 MiB per
 # request would show as 60 MiB.
 RSS_GROWTH_BOUND_MIB = 64
 SERVER_ENV = {**KT, "MALLOC_ARENA_MAX": "2"}

@@ -9,7 +9,8 @@ import pytest
 from kt_testing.engines import FAST_COMPILE_CACHE, clean_env
 from kt_testing.openai_client import SERVE_ARGS, ask
 
-from vllm_kt_tools.support.server import VLLMServer
+from vllm_kt_tools.cli.demo import serve_command_line
+from vllm_kt_tools.support.server import VLLMServer, activated_env, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -24,14 +25,18 @@ def serve(model: Path, log: Path, kt: dict[str, str] | None) -> dict:
         return ask(server)
 
 
-def demo_settings() -> dict[str, str]:
-    lines = (Path(__file__).resolve().parents[2] / "configs" / "tiny-demo.env").read_text().splitlines()
-    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
-
-
 def test_openai_server_answers_like_plain_vllm(tiny_model, tmp_path: Path) -> None:
+    """The kt-hybrid server is the `vllm serve` line the demo prints, run as pasted into a
+    shell with the venv active and nothing else set: on vLLM's CPU build it must carry
+    VLLM_CPU_KVCACHE_SPACE itself (a copied line once failed without it)."""
     model = tiny_model("qwen3_moe")
-    hybrid = serve(model, tmp_path / "kt.log", demo_settings())
+    port = free_port()
+    line = serve_command_line(model, 4, port)
+    env = activated_env(clean_env())
+    for name in ("VLLM_CPU_KVCACHE_SPACE", *FAST_COMPILE_CACHE):
+        env.pop(name, None)
+    with VLLMServer.from_command_line(line, port, env, tmp_path / "kt.log") as server:
+        hybrid = ask(server)
     assert "kt-hybrid" in (tmp_path / "kt.log").read_text()
     plain = serve(model, tmp_path / "plain.log", None)
     assert len(hybrid["completion_ids"]) == 20

@@ -11,19 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN
+from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights
 from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 from vllm_kt_plugin.settings.model_memory import estimate_model_memory
 from vllm_kt_tools.cli.doctor import (
-    ERROR,
-    OK,
-    WARN,
     SystemInfo,
-    check_cpu,
     check_numa,
     check_ram,
     check_threads,
     check_versions,
-    check_weights,
     cpu_flags_from_cpuinfo,
     doctor,
     mem_available_from_meminfo,
@@ -185,12 +182,14 @@ def model_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_good_setup_exits_zero(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_good_setup_exits_zero(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real checkpoint (serve's checks read its weight files' headers: the config-only
+    directory above would be refused, as serve refuses it)."""
     env = {"KT_METHOD": "BF16", "KT_CPUINFER": "100", "KT_THREADPOOL_COUNT": "2"}
-    assert doctor(str(model_dir), env, machine()) == 0
+    assert doctor(str(tiny_model("qwen3_moe")), env, machine()) == 0
     out = capsys.readouterr().out
     assert "0 error(s), 0 warning(s)" in out
-    for check in ("settings", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"):
+    for check in ("settings", "serve", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"):
         assert f"OK     {check}" in out, out
 
 

@@ -162,3 +162,36 @@ def test_device_clock_kernel_in_triton_interpreter() -> None:
         "5/8": [1 * 7, 1 * 7, 1, 8],
         "5/0": [2 * 7, 2 * 7, 2, 6],
     }
+
+
+@pytest.mark.parametrize("computes_in", ["submit", "sync"])
+def test_host_timed_wait_never_exceeds_the_span(monkeypatch, computes_in: str) -> None:
+    """vLLM's CPU build times on the host. kt-kernel's submit only hands the work to its
+    threads and its sync waits for them; the torch backend computes in the submit. In both
+    the layer's wait is part of the CPU branch's span (submit to result), as on CUDA: the
+    CPU build once logged 'CPU experts 1.606 ms, waiting on the CPU 7.431 ms'."""
+    import torch
+
+    from vllm_kt_plugin.hybrid import metrics as module
+    from vllm_kt_plugin.hybrid.metrics import HOST_CLOCK_NOTE, HybridMetrics
+
+    now = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: now[0])
+    lines: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+    metrics = HybridMetrics(3600.0)
+    metrics.add_layer(0)
+    cpu_ms, gpu_ms = 6.0, 0.2
+    probe = metrics.probe(0, torch.zeros(1, 8))
+    now[0] += cpu_ms / 1e3 if computes_in == "submit" else 0.0001  # the submit
+    probe.submitted()
+    now[0] += gpu_ms / 1e3  # the GPU experts (here on the CPU)
+    probe.gpu_done()
+    now[0] += cpu_ms / 1e3 - gpu_ms / 1e3 if computes_in == "sync" else 0.0  # the sync waits for the rest
+    probe.synced()
+    (totals,) = metrics.totals().values()
+    assert totals.wait_s <= totals.cpu_s
+    assert totals.cpu_s == pytest.approx(totals.gpu_s + totals.wait_s)
+    assert totals.gpu_s == pytest.approx(gpu_ms / 1e3)
+    metrics.report(metrics.last_report + 1.0)
+    assert len(lines) == 1 and HOST_CLOCK_NOTE in lines[0] and "-> CPU-bound" in lines[0], lines

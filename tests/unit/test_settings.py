@@ -23,9 +23,9 @@ FP8_BLOCK = CheckpointFormat("fp8", {"quant_method": "fp8", "weight_block_size":
 
 def build(env: dict[str, str], checkpoint: CheckpointFormat = UNQUANTIZED, *, cores: int = 16, numa: int = 1):
     """What KTHybridConfig does at config time: parse, pick the backend, validate."""
-    from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+    from vllm_kt_plugin.hybrid.serve_checks import validated
 
-    return KTHybridConfig._validated(load_settings(env, cores=cores, numa_nodes=numa), checkpoint)
+    return validated(load_settings(env, cores=cores, numa_nodes=numa), checkpoint)
 
 
 def assert_one_line_error(exc: pytest.ExceptionInfo, variable: str, value: str) -> None:
@@ -246,9 +246,20 @@ def test_typo_in_variable_name_warns(warnings_seen: pytest.LogCaptureFixture) ->
 
 
 def test_every_variable_is_documented_in_the_readme() -> None:
+    """The README's Configuration table has one row per variable the code knows, and none
+    it does not."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for variable in VARIABLES:
-        assert f"| `{variable.name}` |" in readme, variable.name
+    rows = re.findall(r"^\| `(KT_[A-Z_]+)` \|", readme, flags=re.MULTILINE)
+    assert sorted(rows) == sorted(variable.name for variable in VARIABLES)
+
+
+def test_the_readme_opens_with_the_demo_and_the_tests() -> None:
+    """A newcomer's first screen: exactly two commands, the demo and the tests."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert readme.index("```bash") < readme.index("## Requirements")
 
 
 @pytest.mark.parametrize("raw", ["-1", "many", "1.5"])

@@ -48,6 +48,18 @@ class CheckpointFormat:
         return int(bits) if bits is not None else None
 
 
+OK, WARN, ERROR = "OK", "WARN", "ERROR"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One line of ``vllm-kt doctor``: a check's name, OK / WARN / ERROR, and why."""
+
+    check: str
+    level: str
+    reason: str
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """What a backend needs to build the CPU experts of one MoE layer."""
@@ -97,6 +109,16 @@ class CPUExperts(ABC):
         """Checks against the model (``model`` as given to vLLM: a directory or a hub id, and
         its config.json), in the front end before any weight loads (default: none)."""
         return
+
+    @classmethod
+    def diagnose(
+        cls, settings: KTSettings, cpu_flags: frozenset[str], weight_path: str | None, model_dir: str | None
+    ) -> list[Diagnostic]:
+        """What ``vllm-kt doctor`` reports about this backend on a machine with ``cpu_flags``:
+        e.g. how fast it runs ``settings.method`` (None: not chosen yet) there, and whether
+        the weights it would read (``weight_path``, else the model directory) look right.
+        Checks that would refuse serve belong in ``validate``/``check_model``. Default: none."""
+        return []
 
     def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
         self.spec = spec

@@ -28,7 +28,9 @@ class TorchExperts(CPUExperts):
     @classmethod
     def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
         if settings.method not in (None, "BF16"):
-            raise KTConfigError("KT_METHOD", settings.method, "KT_BACKEND=torch computes BF16 experts only")
+            raise KTConfigError(
+                "KT_METHOD", settings.method, "KT_BACKEND=torch computes BF16 experts only", "BF16 (or unset)"
+            )
         if checkpoint.quant_method is not None:
             raise KTConfigError(
                 "KT_BACKEND",

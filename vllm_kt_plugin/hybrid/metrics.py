@@ -13,10 +13,15 @@ CPU the second. The CPU branch (submit to result) spans both: the CPU experts' t
 layer waits for them, an upper bound when they finish under the GPU work. A layer is
 CPU-bound when it waits. On CUDA the points are kernels reading the GPU's clock
 (``device_clock``), so CUDA-graph replays — decode at vLLM's default settings — are timed
-too. On the CPU platform the submit computes synchronously, so host clocks give the CPU
-experts' time itself, all of it waited for. A reporting thread sums the last interval up, a
-line per batch size (a window of batch-1 decode also holds the prompts' prefill forwards):
-Python runs in no replay, so nothing on the forward path could.
+too. On vLLM's CPU build the same three points are read from the host's clock, with one
+difference: a backend's submit may compute (the torch backend) or only hand the work to
+threads that run beside the "GPU" experts (kt-kernel, which then computes in the sync), so
+the time spent inside the submit counts as waiting too. Either way the span is the GPU
+experts plus the wait, as on CUDA, and the wait never exceeds the span. What the CPU build
+cannot time is the GPU experts on a GPU: they run on the same cores as kt-kernel's threads,
+and the report line says so. A reporting thread sums the last interval up, a line per batch
+size (a window of batch-1 decode also holds the prompts' prefill forwards): Python runs in
+no replay, so nothing on the forward path could.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ class _DeviceProbe:
 
 
 class _HostProbe:
-    """One forward's points on the host's clock (vLLM's CPU build: everything synchronous)."""
+    """One forward's points on the host's clock (vLLM's CPU build)."""
 
     def __init__(self, metrics: HybridMetrics, layer_idx: int, tokens: int) -> None:
         self.metrics, self.layer_idx, self.tokens = metrics, layer_idx, tokens
@@ -101,9 +106,11 @@ class _HostProbe:
 
     def synced(self) -> None:
         t0, t1, t2 = self.marks
-        t3 = time.perf_counter()  # the submit computed the CPU experts
-        totals = LayerTotals(t1 - t0, t2 - t1, (t1 - t0) + (t3 - t2), 1, self.tokens)
-        self.metrics.add_host(self.layer_idx, totals)
+        t3 = time.perf_counter()
+        # Submit to result spans everything; the layer waits inside the submit (a backend
+        # that computes there) and inside the sync (kt-kernel, whose threads compute
+        # meanwhile): span = GPU experts + wait, as on the device clock.
+        self.metrics.add_host(self.layer_idx, LayerTotals(t3 - t0, t2 - t1, (t1 - t0) + (t3 - t2), 1, self.tokens))
 
 
 class HybridMetrics:
@@ -194,8 +201,9 @@ class HybridMetrics:
                 by_size[size][layer] = delta
                 self._count(layer, delta)
         self._reported = totals
+        seconds = now - self.last_report
         for window in by_size.values():
-            logger.info("kt-hybrid metrics: %s", summarize(window, now - self.last_report))
+            logger.info("kt-hybrid metrics: %s", summarize(window, seconds, host_clock=self.clock is None))
         self.last_report = now
 
     def _count(self, layer_idx: int, delta: LayerTotals) -> None:
@@ -223,9 +231,16 @@ def prometheus_counters() -> dict[str, Any]:
 WAIT_SHARE_CPU_BOUND = 0.05  # a layer that waits this share of its time for the CPU is CPU-bound
 
 
-def summarize(window: dict[int, LayerTotals], seconds: float) -> str:
+# What host clocks cannot tell apart on vLLM's CPU build, said on its report lines.
+HOST_CLOCK_NOTE = (
+    "host clock, vLLM's CPU build: the 'GPU' experts ran on the CPU beside kt-kernel's threads, "
+    "so no GPU time was measured"
+)
+
+
+def summarize(window: dict[int, LayerTotals], seconds: float, *, host_clock: bool = False) -> str:
     """One line: per-forward averages over all layers, which side bounds, the layer that
-    waits longest for its CPU experts."""
+    waits longest for its CPU experts (``host_clock``: timed on vLLM's CPU build)."""
     forwards = sum(t.forwards for t in window.values())
     cpu = sum(t.cpu_s for t in window.values())
     gpu = sum(t.gpu_s for t in window.values())
@@ -239,4 +254,5 @@ def summarize(window: dict[int, LayerTotals], seconds: float) -> str:
         f"CPU experts (submit to result) {1e3 * cpu / forwards:.3f} ms, GPU experts {1e3 * gpu / forwards:.3f} ms, "
         f"waiting on the CPU {1e3 * wait / forwards:.3f} ms -> {bound}-bound; longest wait: layer {slowest} "
         f"({1e3 * s.wait_s / s.forwards:.3f} ms, {s.tokens / s.forwards:.1f} tokens/forward)"
+        + (f" [{HOST_CLOCK_NOTE}]" if host_clock else "")
     )

@@ -16,9 +16,9 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
-from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.hybrid import serve_checks
 from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name
-from vllm_kt_plugin.planning.layer_plan import LayerPlan, check_plan
+from vllm_kt_plugin.planning.layer_plan import LayerPlan
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import environment_drift, load_settings
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.runtime import LayerContext
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -81,7 +80,7 @@ class KTHybridConfig(QuantizationConfig):
         super().__init__()
         self.checkpoint = checkpoint or CheckpointFormat()
         with _logged_config_errors():
-            self.settings, self.backend = self._validated(settings or load_settings(), self.checkpoint)
+            self.settings, self.backend = serve_checks.validated(settings or load_settings(), self.checkpoint)
         self.layer_plan = LayerPlan(self.settings)
         logger.info("kt-hybrid: native method %s; %s", self.native_name, self.settings.describe())
 
@@ -102,21 +101,6 @@ class KTHybridConfig(QuantizationConfig):
         if settings is not self.settings:
             logger.info("kt-hybrid: on this host: %s", settings.describe())
         return settings
-
-    @staticmethod
-    def _validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSettings, type[CPUExperts]]:
-        backend = backend_class(settings.backend)
-        settings = settings.with_method(settings.method or backend.default_method(checkpoint))
-        backend.validate(settings, checkpoint)
-        if settings.dynamic_gpu_experts and not backend.can_move_experts(settings):
-            raise KTConfigError(
-                "KT_DYNAMIC_GPU_EXPERTS",
-                str(settings.dynamic_gpu_experts),
-                f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (its slots hold unquantized "
-                "experts: the backend must write any expert back in BF16)",
-                "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
-            )
-        return settings, backend
 
     @property
     def native_name(self) -> str:
@@ -165,20 +149,10 @@ class KTHybridConfig(QuantizationConfig):
                 self.check_model(hf_config, model_name)
 
     def check_model(self, hf_config: Any, model_name: str) -> None:
-        """Model-dependent checks, in the front end, before the engine starts."""
-        from vllm.transformers_utils.model_arch_config_convertor import (
-            MODEL_ARCH_CONFIG_CONVERTORS,
-            ModelArchConfigConvertorBase,
-        )
-
-        text_config = hf_config.get_text_config()
-        convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
-            getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase
-        )
-        convertor = convertor_cls(hf_config, text_config)
-        self.settings.check_model(convertor.get_num_experts(), convertor.get_num_experts_per_token())
-        check_plan(self.settings, hf_config.to_dict(), convertor.get_num_experts())
-        self.backend.check_model(self.settings, model_name, hf_config.to_dict())
+        """Model-dependent checks, in the API-server process, before the engine core starts
+        (the same code ``vllm-kt doctor --model`` runs)."""
+        for warning in serve_checks.check_model(self.settings, self.backend, hf_config, model_name):
+            logger.warning("kt-hybrid: %s", warning)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts

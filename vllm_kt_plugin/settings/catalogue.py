@@ -36,7 +36,7 @@ GPU_PREFILL_AUTO_MIN_TOKENS = 2048
 # ... on a block-FP8 checkpoint (kt-kernel's FP8): an estimate, not yet a measured
 # break-even. The FP8 sitting's GPU path cost ~11 ms per layer whatever the size (half the
 # bytes of BF16 stream), where kt-kernel's BF16 kernel takes 20.7 ms per layer at 512
-# tokens (its FP8 kernel is untimed; README, GPU prefill).
+# tokens (its FP8 kernel is untimed; docs/design.md, GPU prefill).
 GPU_PREFILL_AUTO_MIN_TOKENS_FP8 = 1024
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
@@ -359,7 +359,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
-        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, README; "
+        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, docs/design.md; "
         f"{GPU_PREFILL_AUTO_MIN_TOKENS_FP8} on block-FP8 checkpoints, estimated) where the CPU experts can be staged "
         "(unquantized on vLLM's Triton kernels, or block-FP8 with KT_METHOD=FP8) and the staging fits; else off",
         "auto, or an integer >= 0 (0 = off)",

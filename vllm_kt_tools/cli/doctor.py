@@ -2,13 +2,15 @@
 
 Each check prints OK, WARN or ERROR with a short reason; the exit status is 1 when any
 check is an ERROR. The checks read /proc and /sys through ``SystemInfo`` so that tests
-can hand in other machines' contents.
+can hand in other machines' contents. With ``--model`` the ``serve`` check runs the very
+code ``vllm serve --quantization kt-hybrid`` runs before its engine starts
+(``hybrid.serve_checks``); what each CPU backend says about this machine comes from the
+backend (``CPUExperts.diagnose``).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.metadata
 import json
 import os
@@ -17,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
-from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
-from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE, READS_HF_CHECKPOINT, weight_files_missing
-from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
+from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, CheckpointFormat, Diagnostic
+from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.hybrid.serve_checks import check_serving
+from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
@@ -35,18 +37,8 @@ from vllm_kt_plugin.settings.variables import (
     usable_cores,
 )
 
-OK, WARN, ERROR = "OK", "WARN", "ERROR"
 EXPECTED_VERSIONS = {"kt-kernel": "0.7.2", "vllm": "0.32"}
-AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
-AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
 RAM_HEADROOM = 0.9  # warn when the experts would take more than this share of MemAvailable
-
-
-@dataclass(frozen=True)
-class Verdict:
-    check: str
-    level: str  # OK, WARN or ERROR
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -111,175 +103,72 @@ def read_system(cpuinfo: str = "/proc/cpuinfo", meminfo: str = "/proc/meminfo") 
 
 def check_settings(
     env: Mapping[str, str], system: SystemInfo, share: HostShare = ALONE
-) -> tuple[list[Verdict], KTSettings]:
+) -> tuple[list[Diagnostic], KTSettings]:
     """The settings as ``vllm serve`` parses them (in the first of ``share``'s kt-kernel
     processes). Every bad variable is reported (each is left out and the rest parsed
     again), and the other checks run on what remains."""
     env = dict(env)
-    errors: list[Verdict] = []
+    errors: list[Diagnostic] = []
     while True:
         try:
             settings = load_settings(env, cores=system.usable_cores, numa_nodes=system.numa_nodes, share=share)
         except KTConfigError as e:
-            errors.append(Verdict("settings", ERROR, str(e)))
+            errors.append(Diagnostic("settings", ERROR, str(e)))
             if e.variable not in env:  # not one variable's fault (e.g. inside a preset file)
                 return errors, KTSettings.from_env({}, cores=system.usable_cores, numa_nodes=system.numa_nodes)
             del env[e.variable]
             continue
-        return errors or [Verdict("settings", OK, settings.describe())], settings
+        return errors or [Diagnostic("settings", OK, settings.describe())], settings
 
 
-def cpu_features(flags: frozenset[str]) -> str:
-    have = {
-        "AMX": flags >= AMX_FLAGS,
-        "AVX-512": flags >= AVX512_FLAGS,
-        "AVX-512-BF16": "avx512_bf16" in flags,
-        "AVX2": "avx2" in flags,
-    }
-    return ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in have.items())
-
-
-def method_speed(method: str, flags: frozenset[str]) -> str:
-    """fast, slow or impossible: how kt-kernel runs ``method`` on a CPU with ``flags``.
-    AMX methods are fast with AMX tiles, slow on AVX-512; the others are fast with AVX-512
-    (BF16: with avx512_bf16) and slow with AVX2 alone."""
-    avx512 = flags >= AVX512_FLAGS
-    if method in QUANTIZES_ONLINE:
-        return "fast" if flags >= AMX_FLAGS else "slow" if avx512 else "impossible"
-    if method == "SYCL_GPTQ_INT4":
-        return "impossible"  # an Intel GPU (SYCL) kernel, not a CPU one
-    if method == "FP8_PERCHANNEL" and not avx512:
-        return "impossible"  # kt-kernel 0.7.2 ships it for AVX-512 only
-    if "avx2" not in flags:
-        return "impossible"
-    if method == "BF16" and "avx512_bf16" not in flags:
-        return "slow"
-    return "fast" if avx512 else "slow"
-
-
-def check_cpu_capabilities(flags: frozenset[str]) -> Verdict:
-    """With no KT_METHOD to check: what this CPU runs, per method."""
-    speeds: dict[str, list[str]] = {"fast": [], "slow": [], "impossible": []}
-    for method in KT_METHODS:
-        speeds[method_speed(method, flags)].append(method)
-    level = OK if speeds["fast"] else WARN if speeds["slow"] else ERROR
-    listed = "; ".join(f"{speed} here: {', '.join(methods) or 'none'}" for speed, methods in speeds.items())
-    return Verdict("cpu", level, f"{cpu_features(flags)}. KT_METHOD {listed}")
-
-
-def check_cpu(method: str | None, flags: frozenset[str]) -> Verdict:
-    if method is None:
-        return check_cpu_capabilities(flags)
-    if method in QUANTIZES_ONLINE:
-        if flags >= AMX_FLAGS:
-            return Verdict("cpu", OK, f"AMX present for KT_METHOD={method}")
-        if flags >= AVX512_FLAGS:
-            return Verdict(
-                "cpu",
-                WARN,
-                f"no AMX (amx_tile, amx_int8): kt-kernel runs KT_METHOD={method} with its AVX-512 kernels, "
-                "correct but much slower than on an AMX CPU (Intel Sapphire Rapids or newer)",
-            )
-        return Verdict(
-            "cpu",
-            ERROR,
-            f"KT_METHOD={method} needs AMX or at least AVX-512, which this CPU lacks; use a method with AVX2 "
-            "kernels (BF16, FP8, GPTQ_INT4, ...) or LLAMAFILE",
-        )
-    if flags >= AVX512_FLAGS:
-        if method == "BF16" and "avx512_bf16" not in flags:
-            return Verdict("cpu", WARN, "AVX-512 without avx512_bf16: kt-kernel's BF16 experts take a slower path")
-        return Verdict("cpu", OK, f"AVX-512{' with BF16' if 'avx512_bf16' in flags else ''} for KT_METHOD={method}")
-    if "avx2" in flags:
-        return Verdict("cpu", WARN, f"AVX2 only: kt-kernel's AVX2 kernels for KT_METHOD={method} are much slower")
-    return Verdict("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
-
-
-def check_threads(threads: int, cores: int, share: HostShare = ALONE) -> Verdict:
+def check_threads(threads: int, cores: int, share: HostShare = ALONE) -> Diagnostic:
     slow = oversubscription(threads, cores, share)
     if slow is not None:
-        return Verdict("threads", WARN, slow)
+        return Diagnostic("threads", WARN, slow)
     used = threads * share.ranks
     each = f" in each of {share.ranks} kt-kernel processes (one per pipeline stage)" if share.ranks > 1 else ""
-    return Verdict("threads", OK, f"KT_CPUINFER={threads}{each} of {cores} usable cores ({cores - used} left for vLLM)")
+    return Diagnostic(
+        "threads", OK, f"KT_CPUINFER={threads}{each} of {cores} usable cores ({cores - used} left for vLLM)"
+    )
 
 
-def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, share: HostShare) -> Verdict:
+def check_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, share: HostShare) -> Diagnostic:
     """Where the CPU experts are computed when several stages share this host."""
     where = (
         f"--tensor-parallel-size {tensor_parallel_size} --pipeline-parallel-size {pipeline_parallel_size}: "
         f"tensor-parallel rank 0 of each pipeline stage computes the stage's CPU experts for all its ranks, "
         f"so {share.ranks} kt-kernel process(es) run on this host (all stages here)"
     )
-    return Verdict("parallel", OK, where)
+    return Diagnostic("parallel", OK, where)
 
 
-def check_numa(pools: int, numa_nodes: int, threads: int | None = None) -> Verdict:
+def check_numa(pools: int, numa_nodes: int, threads: int | None = None) -> Diagnostic:
     try:
         check_threadpool_count(pools, pools if threads is None else threads, numa_nodes)
     except KTConfigError as e:
-        return Verdict("numa", ERROR, str(e))
+        return Diagnostic("numa", ERROR, str(e))
     if pools < numa_nodes:
-        return Verdict(
+        return Diagnostic(
             "numa",
             WARN,
             f"{numa_nodes} NUMA nodes but KT_THREADPOOL_COUNT={pools}: one pool per node keeps expert weights "
             f"in local memory; try KT_THREADPOOL_COUNT={numa_nodes}",
         )
-    return Verdict("numa", OK, f"KT_THREADPOOL_COUNT={pools} for {numa_nodes} NUMA node(s)")
+    return Diagnostic("numa", OK, f"KT_THREADPOOL_COUNT={pools} for {numa_nodes} NUMA node(s)")
 
 
-def check_versions(versions: Mapping[str, str | None], backend: str) -> list[Verdict]:
+def check_versions(versions: Mapping[str, str | None], backend: str) -> list[Diagnostic]:
     verdicts = []
     for name, version in versions.items():
         expected = EXPECTED_VERSIONS.get(name)
         if version is None:
             level = ERROR if name != "kt-kernel" or backend == "kt_kernel" else WARN
-            verdicts.append(Verdict(name, level, "not installed (scripts/setup.sh installs it)"))
+            verdicts.append(Diagnostic(name, level, "not installed (scripts/setup.sh installs it)"))
         elif expected and not version.startswith(expected):
-            verdicts.append(Verdict(name, WARN, f"{version} installed; tested with {expected}"))
+            verdicts.append(Diagnostic(name, WARN, f"{version} installed; tested with {expected}"))
         else:
-            verdicts.append(Verdict(name, OK, version))
+            verdicts.append(Diagnostic(name, OK, version))
     return verdicts
-
-
-def _found(directory: str, pattern: str) -> int:
-    return len(glob.glob(os.path.join(directory, pattern), recursive=True))
-
-
-def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Verdict:
-    if method is None:
-        return Verdict("weights", WARN, "KT_METHOD unknown; not checked")
-    if weight_path is None and method in QUANTIZES_ONLINE:
-        return Verdict(
-            "weights",
-            OK,
-            f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
-        )
-    directory = weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
-    if directory is None:
-        if method in READS_HF_CHECKPOINT:
-            return Verdict("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
-        return Verdict("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
-    if not os.path.isdir(directory):
-        return Verdict("weights", ERROR, f"{directory} is not a directory")
-    if method in QUANTIZES_ONLINE:
-        shards = _found(directory, "_layer_*/_numa_*/*.kt")
-        if shards:
-            layers = _found(directory, "_layer_*")
-            numa = len({Path(p).name for p in glob.glob(os.path.join(directory, "_layer_*", "_numa_*"))})
-            return Verdict("weights", OK, f"kt-kernel {method} layout: {layers} layers x {numa} NUMA shard(s)")
-        if _found(directory, "*.safetensors"):
-            return Verdict("weights", OK, f"merged *.safetensors (must be `kt quant` output for {method})")
-        return Verdict(
-            "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
-        )
-    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
-        return Verdict("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
-    missing = weight_files_missing(method, directory)
-    if missing is None:
-        return Verdict("weights", OK, f"{method} reads the weight files in {directory}")
-    return Verdict("weights", ERROR, f"{directory} holds no {missing} files, which KT_METHOD={method} reads")
 
 
 def check_ram(
@@ -287,54 +176,67 @@ def check_ram(
     model_config: Mapping[str, Any] | None,
     available: int | None,
     gpu_prefill_gpu_experts: int | None = None,
-) -> Verdict:
+) -> Diagnostic:
     """kt-kernel's experts, plus GPU prefill's host copy of the CPU experts when it is on
     (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off)."""
     if model_config is None:
-        return Verdict("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
+        return Diagnostic("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
     if method is None or available is None:
-        return Verdict("ram", WARN, "not checked: KT_METHOD or MemAvailable unknown")
+        return Diagnostic("ram", WARN, "not checked: KT_METHOD or MemAvailable unknown")
     try:
         memory = estimate_model_memory(model_config)
     except ModelConfigError as e:
-        return Verdict("ram", WARN, f"not checked: {e}")
+        return Diagnostic("ram", WARN, f"not checked: {e}")
     need = memory.cpu_expert_bytes(method)
     if need is None:
-        return Verdict("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
+        return Diagnostic("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
     if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts, method)):
         need += host
         sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
     sizes += f", MemAvailable is {available / GIB:.1f} GB"
     if need > available:
-        return Verdict("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
+        return Diagnostic("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
     if need > RAM_HEADROOM * available:
-        return Verdict("ram", WARN, f"{sizes}: little room left for vLLM and the page cache")
-    return Verdict("ram", OK, sizes)
+        return Diagnostic("ram", WARN, f"{sizes}: little room left for vLLM and the page cache")
+    return Diagnostic("ram", OK, sizes)
 
 
 # --- running them ---------------------------------------------------------------------
 
 
-def read_model_config(model_dir: str | None) -> tuple[dict[str, Any] | None, Verdict | None]:
+def read_model_config(model_dir: str | None) -> tuple[dict[str, Any] | None, Diagnostic | None]:
     if model_dir is None:
         return None, None
     path = Path(model_dir) / "config.json"
     try:
         return json.loads(path.read_text()), None
     except (OSError, json.JSONDecodeError) as e:
-        return None, Verdict("model", ERROR, f"cannot read {path}: {str(e).splitlines()[0]}")
+        return None, Diagnostic("model", ERROR, f"cannot read {path}: {str(e).splitlines()[0]}")
 
 
-def default_method(model_config: Mapping[str, Any] | None) -> str | None:
-    """KT_METHOD when unset: what the kt_kernel backend picks for this checkpoint."""
+def default_method(backend: str, model_config: Mapping[str, Any] | None) -> str | None:
+    """KT_METHOD when unset: what ``backend`` picks for this checkpoint."""
     if model_config is None:
         return None
     quant = model_config.get("quantization_config") or {}
     try:
-        return KTKernelExperts.default_method(CheckpointFormat(quant.get("quant_method"), quant))
+        return backend_class(backend).default_method(CheckpointFormat(quant.get("quant_method"), quant))
     except KTConfigError:
         return None
+
+
+def check_serve(env: Mapping[str, str], system: SystemInfo, model_dir: str) -> list[Diagnostic]:
+    """vllm serve's own config-time checks against the model: refused here exactly when
+    serve would refuse, with serve's line."""
+    serve = f"vllm serve {model_dir} --quantization kt-hybrid"
+    try:
+        _, warnings = check_serving(env, model_dir, cores=system.usable_cores, numa_nodes=system.numa_nodes)
+    except KTConfigError as e:
+        return [Diagnostic("serve", ERROR, f"{serve} would stop: {e}")]
+    return [Diagnostic("serve", WARN, w) for w in warnings] or [
+        Diagnostic("serve", OK, f"{serve} accepts these settings for this model (its config-time checks)")
+    ]
 
 
 def run_checks(
@@ -343,23 +245,29 @@ def run_checks(
     model_dir: str | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-) -> list[Verdict]:
+) -> list[Diagnostic]:
     share = host_share(pipeline_parallel_size, tensor_parallel_size, 1, 0)
     settings_verdicts, settings = check_settings(env, system, share)
     model_config, model_error = read_model_config(model_dir)
-    method = settings.method or default_method(model_config)
+    settings = settings.with_method(settings.method or default_method(settings.backend, model_config))
     # A KT_WEIGHT_PATH the settings refused is still looked at, to say what is wrong with it.
     weight_path = settings.weight_path or (env.get("KT_WEIGHT_PATH") or "").strip() or None
+    settings_ok = all(v.level != ERROR for v in settings_verdicts)
+    serve = check_serve(env, system, model_dir) if model_dir and settings_ok and not model_error else []
+    try:
+        diagnostics = backend_class(settings.backend).diagnose(settings, system.cpu_flags, weight_path, model_dir)
+    except KTConfigError as e:  # an unknown KT_BACKEND: said by the settings or serve check
+        diagnostics = [] if serve else [Diagnostic("backend", ERROR, str(e))]
     return [
         *settings_verdicts,
         *([model_error] if model_error else []),
-        check_cpu(method, system.cpu_flags),
+        *serve,
         *([check_parallel(tensor_parallel_size, pipeline_parallel_size, share)] if share.ranks > 1 else []),
         check_threads(settings.cpuinfer_threads, system.usable_cores, share),
         check_numa(settings.threadpool_count, system.numa_nodes, settings.cpuinfer_threads),
         *check_versions(system.versions, settings.backend),
-        check_weights(method, weight_path, model_dir),
-        check_ram(method, model_config, system.mem_available_bytes, _gpu_prefill_gpu_experts(settings)),
+        *diagnostics,
+        check_ram(settings.method, model_config, system.mem_available_bytes, _gpu_prefill_gpu_experts(settings)),
     ]
 
 
@@ -372,7 +280,7 @@ def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
     return settings.num_gpu_experts
 
 
-def format_report(verdicts: Sequence[Verdict]) -> str:
+def format_report(verdicts: Sequence[Diagnostic]) -> str:
     width = max(len(v.check) for v in verdicts)
     lines = [f"{v.level:<5}  {v.check:<{width}}  {v.reason}" for v in verdicts]
     errors = sum(v.level == ERROR for v in verdicts)

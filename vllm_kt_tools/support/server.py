@@ -33,8 +33,30 @@ def vllm_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
+def activated_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) as in a shell where this Python's virtual
+    environment is active (``source .venv/bin/activate``): its bin first on PATH."""
+    env = dict(os.environ if env is None else env)
+    venv_bin = Path(sys.executable).parent
+    env["PATH"] = os.pathsep.join([str(venv_bin), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = str(venv_bin.parent)
+    return env
+
+
 class VLLMServer:
     """``vllm serve MODEL ARGS`` in the background, ready when ``/health`` answers."""
+
+    @classmethod
+    def from_command_line(
+        cls, line: str, port: int, env: dict[str, str], log_path: str | Path | None = None
+    ) -> VLLMServer:
+        """A command line exactly as a user would paste it (it listens on ``port``), run
+        by bash in ``env`` alone: nothing is added, so the line must carry what it needs
+        (e.g. VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build)."""
+        server = cls("", port=port, log_path=log_path)
+        server.command = ["bash", "-c", line]
+        server.env = dict(env)
+        return server
 
     def __init__(
         self,

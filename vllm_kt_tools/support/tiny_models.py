@@ -15,6 +15,9 @@ kernels (dimensions divisible by 32, MLA head 512 + 64) and kt-kernel's BF16 ker
 from __future__ import annotations
 
 import json
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +160,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
         vocab_size=vocab_size,
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars printed blank lines in logs (the demo's silent minutes)
     )
     tok.train_from_iterator([training_text()], trainer=trainer)
     fast = PreTrainedTokenizerFast(
@@ -200,8 +204,24 @@ def _set_router_bias(model: Any, seed: int) -> dict[str, Any]:
     return biases
 
 
-def _train(model: Any, tokenizer: Any, steps: int, seed: int) -> float:
-    """Teach ``model`` the built-in text; return the last loss."""
+# Called during training with (step, steps, loss): the demo and make-tiny-model show it, so
+# that a slow (busy) machine is told apart from a hung one.
+TrainingProgress = Callable[[int, int, float], None]
+PROGRESS_EVERY_S = 5.0
+
+
+def print_training_progress(step: int, steps: int, loss: float) -> None:
+    """One updating line on a terminal, a line per call in logs."""
+    line = f"      training step {step}/{steps}, loss {loss:.3f}"
+    if sys.stdout.isatty():
+        print(f"\r{line}", end="\n" if step == steps else "", flush=True)
+    else:
+        print(line, flush=True)
+
+
+def _train(model: Any, tokenizer: Any, steps: int, seed: int, progress: TrainingProgress | None = None) -> float:
+    """Teach ``model`` the built-in text; return the last loss. ``progress`` hears the
+    step and loss every PROGRESS_EVERY_S seconds and at the end."""
     import torch
 
     ids = torch.tensor(tokenizer(training_text())["input_ids"])
@@ -210,13 +230,17 @@ def _train(model: Any, tokenizer: Any, steps: int, seed: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    shown = time.monotonic()
+    for step in range(1, steps + 1):
         starts = torch.randint(0, len(ids) - window, (16,), generator=gen)
         batch = torch.stack([ids[i : i + window] for i in starts])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if progress is not None and (step == steps or time.monotonic() - shown >= PROGRESS_EVERY_S):
+            shown = time.monotonic()
+            progress(step, steps, loss.item())
     model.eval()
     return loss.item()
 
@@ -230,9 +254,10 @@ def write_tiny_model(
     seed: int = 0,
     train_steps: int = 600,
     quantizable: bool = False,
+    progress: TrainingProgress | None = None,
 ) -> Path:
     """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``;
-    ``quantizable``: with the ``QUANTIZABLE`` shapes."""
+    ``quantizable``: with the ``QUANTIZABLE`` shapes; ``progress``: told of the training."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -247,7 +272,7 @@ def write_tiny_model(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     biases = _set_router_bias(model, seed)
-    loss = _train(model, tokenizer, train_steps, seed)
+    loss = _train(model, tokenizer, train_steps, seed, progress)
     model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.save_pretrained(out, safe_serialization=True)
@@ -263,9 +288,11 @@ def write_tiny_model(
     return out
 
 
-def tiny_model_dir(arch: str, root: str | Path, *, quantizable: bool = False) -> Path:
+def tiny_model_dir(
+    arch: str, root: str | Path, *, quantizable: bool = False, progress: TrainingProgress | None = None
+) -> Path:
     """``root/<arch>[-q128]-v<GENERATOR_VERSION>``, written on first use."""
     out = Path(root) / f"{arch}{'-q128' if quantizable else ''}-v{GENERATOR_VERSION}"
     if not (out / "TINY_MODEL.json").exists():
-        write_tiny_model(arch, out, quantizable=quantizable)
+        write_tiny_model(arch, out, quantizable=quantizable, progress=progress)
     return out

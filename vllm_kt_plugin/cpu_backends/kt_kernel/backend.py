@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, LayerSpec
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, Diagnostic, LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     ONLINE_ALIGNMENT,
     QUANTIZES_ONLINE,
@@ -99,6 +100,26 @@ def _check_cache_room(
         )
 
 
+def check_alignment(method: str, hidden_size: int, intermediate_size: int) -> None:
+    """kt-kernel's AMX kernels tile the hidden and expert-intermediate sizes; other sizes fail
+    in its C++ ("n or k is not aligned") or crash. The refusal names what does fit."""
+    step = ONLINE_ALIGNMENT.get(method)
+    if not step or not (hidden_size % step or intermediate_size % step):
+        return
+    fitting = [
+        f"{other} (sizes that are multiples of {other_step})"
+        for other, other_step in sorted(ONLINE_ALIGNMENT.items())
+        if other != method and not (hidden_size % other_step or intermediate_size % other_step)
+    ]
+    raise KTConfigError(
+        "KT_METHOD",
+        method,
+        f"kt-kernel's {method} kernels need hidden and expert intermediate sizes that are multiples of {step}; "
+        f"this model has {hidden_size} and {intermediate_size}",
+        " or ".join(["KT_METHOD unset (the checkpoint's own method, BF16 for a BF16 checkpoint)", *fitting]),
+    )
+
+
 def _ct_weight_scheme(quant_config: dict[str, Any]) -> dict[str, Any]:
     """compressed-tensors: the weight scheme of its (first) config group."""
     for group in (quant_config.get("config_groups") or {}).values():
@@ -147,7 +168,10 @@ class KTKernelExperts(CPUExperts):
             hint = "a CPU with AVX-512 (AMX is fastest)" if method in QUANTIZES_ONLINE else "another method"
             broken = broken_kernel(method)
             reason = f"kt-kernel {broken}" if broken else f"this CPU / kt-kernel build has no {method} kernel"
-            raise KTConfigError("KT_METHOD", method, f"{reason}; use {hint}")
+            runnable = sorted(m for m in kt_inference_methods() if m != method and kernel_available(m))
+            raise KTConfigError(
+                "KT_METHOD", method, f"{reason}; use {hint}", f"a method this build runs: {', '.join(runnable)}"
+            )
         if settings.weight_path is not None:
             _check_weight_files(method, settings.weight_path, is_model_dir=False)
             return
@@ -170,9 +194,10 @@ class KTKernelExperts(CPUExperts):
             raise KTConfigError(
                 "KT_METHOD",
                 method,
-                f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} "
-                f"weights, which {method} cannot; set KT_WEIGHT_PATH to {method} weights"
-                + (f" or use KT_METHOD={own}" if own else ""),
+                f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} weights, which {method} "
+                "cannot",
+                (f"KT_METHOD={own} (or unset), or " if own else "")
+                + f"KT_METHOD={method} with KT_WEIGHT_PATH set to {method} weights",
             )
 
     @classmethod
@@ -191,8 +216,9 @@ class KTKernelExperts(CPUExperts):
 
     @classmethod
     def check_model(cls, settings: KTSettings, model: str, hf_config: Mapping[str, Any]) -> None:
-        """Before any weight loads: the files kt-kernel will read (every expert present, of
-        the model's shape, every file readable), and room in KT_CACHE_DIR for online weights."""
+        """Before any weight loads: the sizes the method's kernels take, the files kt-kernel will
+        read (every expert present, of the model's shape, every file readable), and room in
+        KT_CACHE_DIR for online weights."""
         method = settings.method
         assert method is not None, "the quant config resolves the method first"
         model_dir = model if os.path.isdir(model) else None
@@ -202,6 +228,7 @@ class KTKernelExperts(CPUExperts):
             shape = expert_shape(hf_config)
         except ModelConfigError:  # a config layout we cannot read: kt-kernel's own checks remain
             return
+        check_alignment(method, shape.hidden_size, shape.intermediate_size)
         directory = settings.weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
         if directory is not None and method in READS_HF_CHECKPOINT:
             check_weight_files(
@@ -216,6 +243,15 @@ class KTKernelExperts(CPUExperts):
         if settings.weight_path is None and method in QUANTIZES_ONLINE:
             _check_cache_room(settings, model, model_dir, hf_config, shape)
 
+    @classmethod
+    def diagnose(
+        cls, settings: KTSettings, cpu_flags: frozenset[str], weight_path: str | None, model_dir: str | None
+    ) -> list[Diagnostic]:
+        return [
+            check_cpu(settings.method, cpu_flags),
+            check_weights(settings.method, weight_path, model_dir),
+        ]
+
     def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
         super().__init__(spec, settings)
         assert settings.method is not None
@@ -228,7 +264,7 @@ class KTKernelExperts(CPUExperts):
         self.online = settings.weight_path is None and self.method in QUANTIZES_ONLINE
         self._collected: ExpertTensors | None = None
         self._needs_quantizing: bool | None = None  # decided on first use (files are local by then)
-        self._check_alignment()
+        check_alignment(self.method, spec.hidden_size, spec.intermediate_size)  # checked at config time too
         PROGRESS.expect_layer()
 
     @functools.cached_property
@@ -247,17 +283,6 @@ class KTKernelExperts(CPUExperts):
             pools=settings.threadpool_count,
             shape=(spec.num_experts, spec.hidden_size, spec.intermediate_size),
         )
-
-    def _check_alignment(self) -> None:
-        step = ONLINE_ALIGNMENT.get(self.method)
-        spec = self.spec
-        if step and (spec.hidden_size % step or spec.intermediate_size % step):
-            raise KTConfigError(
-                "KT_METHOD",
-                self.method,
-                f"kt-kernel's {self.method} kernels need hidden and expert intermediate sizes that are "
-                f"multiples of {step}; this model has {spec.hidden_size} and {spec.intermediate_size}",
-            )
 
     @property
     def wants_all_experts(self) -> bool:

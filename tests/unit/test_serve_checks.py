@@ -1,0 +1,81 @@
+"""doctor's checks are serve's checks: every refusal of the config tests goes through vLLM's
+own config-time path (``EngineArgs.create_engine_config``, what ``vllm serve`` runs in its
+API-server process before the engine core starts) and through ``vllm-kt doctor --model``,
+and both name the same variable with the same line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_settings import MISTAKES
+
+from vllm_kt_plugin.cpu_backends.base import ERROR, WARN
+from vllm_kt_plugin.cpu_backends.kt_kernel import backend as ktb
+from vllm_kt_plugin.hybrid import serve_checks
+from vllm_kt_plugin.hybrid.serve_checks import config_error_in
+from vllm_kt_plugin.settings.catalogue import KNOWN_VARIABLES
+from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_tools.cli.doctor import read_system, run_checks
+
+# Refusals that need the model (the tiny Qwen3-MoE: 8 experts, top-2, hidden 128, experts 64 wide).
+MODEL_MISTAKES = [
+    ("more GPU experts than the model has", {"KT_NUM_GPU_EXPERTS": "16"}, "KT_NUM_GPU_EXPERTS", "16"),
+    ("AMXINT4 on 64-wide experts", {"KT_METHOD": "AMXINT4"}, "KT_METHOD", "AMXINT4"),
+    ("auto without a GPU", {"KT_NUM_GPU_EXPERTS": "auto"}, "KT_NUM_GPU_EXPERTS", "auto"),
+    ("deferring every expert", {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "2"}, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "2"),
+]
+CASES = [*MISTAKES, *MODEL_MISTAKES]
+
+
+@pytest.fixture
+def no_gpu_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same machine for both paths whatever runs the tests: vLLM's platform without a
+    GPU, and a kt-kernel build with AMX kernels (so AMXINT4 is refused for its sizes)."""
+    monkeypatch.setattr(serve_checks, "platform_has_gpu", lambda: False)
+    monkeypatch.setattr(ktb, "kernel_available", lambda method: True)
+
+
+def serve_refusal(model: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> KTConfigError | None:
+    """What vLLM's front end does with ``vllm serve MODEL --quantization kt-hybrid``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for name in KNOWN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        EngineArgs(model=model, quantization="kt-hybrid", max_model_len=512).create_engine_config()
+    except Exception as e:
+        error = config_error_in(e)
+        assert error is not None, f"serve failed, but not with a KTConfigError: {e!r}"
+        return error
+    return None
+
+
+@pytest.mark.parametrize("env,variable,value", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_doctor_refuses_what_serve_refuses(
+    tiny_model, no_gpu_with_amx: None, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], variable: str, value: str
+) -> None:
+    model = str(tiny_model("qwen3_moe"))
+    served = serve_refusal(model, env, monkeypatch)
+    assert served is not None and (served.variable, str(served.value)) == (variable, value), served
+    errors = [d for d in run_checks(env, read_system(), model) if d.level == ERROR and d.check in ("settings", "serve")]
+    assert errors and str(served) in errors[0].reason, (str(served), errors)
+    # The "allowed" text never lists the value it refuses (AMXINT4 on 64-wide experts once
+    # did: "allowed: a kt-kernel inference method (AMXINT4, AMXINT8, ...)").
+    listed = {item.strip() for item in re.split(r"[,;:()]|\bor\b", served.allowed)}
+    assert value not in listed, served
+
+
+def test_a_preset_for_another_model_warns_in_both(
+    tiny_model, no_gpu_with_amx: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = str(tiny_model("qwen3_moe"))
+    env = {"KT_CONFIG": "qwen3-30b-a3b"}
+    with caplog.at_level("WARNING", logger="vllm_kt_plugin"):
+        assert serve_refusal(model, env, monkeypatch) is None
+    served = [r.getMessage() for r in caplog.records if "is a preset for another model" in r.getMessage()]
+    assert served, caplog.text
+    warned = [d for d in run_checks(env, read_system(), model) if d.check == "serve"]
+    assert [d.level for d in warned] == [WARN] and warned[0].reason in served[0], (warned, served)

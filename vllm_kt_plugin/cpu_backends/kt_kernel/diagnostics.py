@@ -1,0 +1,122 @@
+"""What ``vllm-kt doctor`` says about kt-kernel on this machine: which methods its
+kernels run fast, slowly or not at all on this CPU, and whether the weight files a method
+reads are where kt-kernel will look. kt-kernel's layout and speeds are known here, not in
+doctor, which asks each backend through ``CPUExperts.diagnose``."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, Diagnostic
+from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE, READS_HF_CHECKPOINT, weight_files_missing
+from vllm_kt_plugin.settings.catalogue import KT_METHODS
+
+AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
+
+
+def cpu_features(flags: frozenset[str]) -> str:
+    have = {
+        "AMX": flags >= AMX_FLAGS,
+        "AVX-512": flags >= AVX512_FLAGS,
+        "AVX-512-BF16": "avx512_bf16" in flags,
+        "AVX2": "avx2" in flags,
+    }
+    return ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in have.items())
+
+
+def method_speed(method: str, flags: frozenset[str]) -> str:
+    """fast, slow or impossible: how kt-kernel runs ``method`` on a CPU with ``flags``.
+    AMX methods are fast with AMX tiles, slow on AVX-512; the others are fast with AVX-512
+    (BF16: with avx512_bf16) and slow with AVX2 alone."""
+    avx512 = flags >= AVX512_FLAGS
+    if method in QUANTIZES_ONLINE:
+        return "fast" if flags >= AMX_FLAGS else "slow" if avx512 else "impossible"
+    if method == "SYCL_GPTQ_INT4":
+        return "impossible"  # an Intel GPU (SYCL) kernel, not a CPU one
+    if method == "FP8_PERCHANNEL" and not avx512:
+        return "impossible"  # kt-kernel 0.7.2 ships it for AVX-512 only
+    if "avx2" not in flags:
+        return "impossible"
+    if method == "BF16" and "avx512_bf16" not in flags:
+        return "slow"
+    return "fast" if avx512 else "slow"
+
+
+def check_cpu_capabilities(flags: frozenset[str]) -> Diagnostic:
+    """With no KT_METHOD to check: what this CPU runs, per method."""
+    speeds: dict[str, list[str]] = {"fast": [], "slow": [], "impossible": []}
+    for method in KT_METHODS:
+        speeds[method_speed(method, flags)].append(method)
+    level = OK if speeds["fast"] else WARN if speeds["slow"] else ERROR
+    listed = "; ".join(f"{speed} here: {', '.join(methods) or 'none'}" for speed, methods in speeds.items())
+    return Diagnostic("cpu", level, f"{cpu_features(flags)}. KT_METHOD {listed}")
+
+
+def check_cpu(method: str | None, flags: frozenset[str]) -> Diagnostic:
+    if method is None:
+        return check_cpu_capabilities(flags)
+    if method in QUANTIZES_ONLINE:
+        if flags >= AMX_FLAGS:
+            return Diagnostic("cpu", OK, f"AMX present for KT_METHOD={method}")
+        if flags >= AVX512_FLAGS:
+            return Diagnostic(
+                "cpu",
+                WARN,
+                f"no AMX (amx_tile, amx_int8): kt-kernel runs KT_METHOD={method} with its AVX-512 kernels, "
+                "correct but much slower than on an AMX CPU (Intel Sapphire Rapids or newer)",
+            )
+        return Diagnostic(
+            "cpu",
+            ERROR,
+            f"KT_METHOD={method} needs AMX or at least AVX-512, which this CPU lacks; use a method with AVX2 "
+            "kernels (BF16, FP8, GPTQ_INT4, ...) or LLAMAFILE",
+        )
+    if flags >= AVX512_FLAGS:
+        if method == "BF16" and "avx512_bf16" not in flags:
+            return Diagnostic("cpu", WARN, "AVX-512 without avx512_bf16: kt-kernel's BF16 experts take a slower path")
+        return Diagnostic("cpu", OK, f"AVX-512{' with BF16' if 'avx512_bf16' in flags else ''} for KT_METHOD={method}")
+    if "avx2" in flags:
+        return Diagnostic("cpu", WARN, f"AVX2 only: kt-kernel's AVX2 kernels for KT_METHOD={method} are much slower")
+    return Diagnostic("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
+
+
+def _found(directory: str, pattern: str) -> int:
+    return len(glob.glob(os.path.join(directory, pattern), recursive=True))
+
+
+def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Diagnostic:
+    if method is None:
+        return Diagnostic("weights", WARN, "KT_METHOD unknown; not checked")
+    if weight_path is None and method in QUANTIZES_ONLINE:
+        return Diagnostic(
+            "weights",
+            OK,
+            f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
+        )
+    directory = weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
+    if directory is None:
+        if method in READS_HF_CHECKPOINT:
+            return Diagnostic("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
+        return Diagnostic("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
+    if not os.path.isdir(directory):
+        return Diagnostic("weights", ERROR, f"{directory} is not a directory")
+    if method in QUANTIZES_ONLINE:
+        shards = _found(directory, "_layer_*/_numa_*/*.kt")
+        if shards:
+            layers = _found(directory, "_layer_*")
+            numa = len({Path(p).name for p in glob.glob(os.path.join(directory, "_layer_*", "_numa_*"))})
+            return Diagnostic("weights", OK, f"kt-kernel {method} layout: {layers} layers x {numa} NUMA shard(s)")
+        if _found(directory, "*.safetensors"):
+            return Diagnostic("weights", OK, f"merged *.safetensors (must be `kt quant` output for {method})")
+        return Diagnostic(
+            "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
+        )
+    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
+        return Diagnostic("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
+    missing = weight_files_missing(method, directory)
+    if missing is None:
+        return Diagnostic("weights", OK, f"{method} reads the weight files in {directory}")
+    return Diagnostic("weights", ERROR, f"{directory} holds no {missing} files, which KT_METHOD={method} reads")
