@@ -16,6 +16,7 @@ from vllm.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 
+from vllm_kt_plugin.architectures import check_architecture
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.planning.layer_plan import LayerPlan, check_plan
@@ -189,6 +190,7 @@ class KTHybridConfig(QuantizationConfig):
             ModelArchConfigConvertorBase,
         )
 
+        check_architecture(hf_config.to_dict())
         text_config = hf_config.get_text_config()
         convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
             getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase
