@@ -121,16 +121,10 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
     assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
 
 
-def test_torch_backend_tokens_equal_plain_vllm(tiny_model) -> None:
-    model = tiny_model("qwen3_moe")
-    got = hybrid(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"})
-    assert_same_greedy_tokens(got, plain(model))
-
-
 # The torch backend computes in float32; in a float32 engine only the order of the sums
 # differs from plain vLLM (GPU and CPU experts added apart). Measured on the 2-core dev box
-# (AVX-512, `pytest tests/engine/test_engine_e2e.py -k float32`): GLM-4.5 <GLM_F32>, Qwen2-MoE
-# <QWEN2_F32>, every token equal. Bound: that, plus a margin of 1e-4 for another machine's
+# (AVX-512, `pytest -s tests/engine/test_engine_e2e.py -k float32`): GLM-4.5 4.2e-07, Qwen2-MoE
+# 1.0e-06, every token equal. Bound: that, plus a margin of 1e-4 for another machine's
 # summation order, far below any missing or misweighted expert (the zero backend: > 1 nat).
 FLOAT32_DRIFT_BOUND = 1e-4
 
@@ -138,7 +132,8 @@ FLOAT32_DRIFT_BOUND = 1e-4
 @pytest.mark.parametrize("arch", ["glm4_moe", "qwen2_moe"])
 def test_torch_backend_is_exact_in_float32(tiny_model, arch: str) -> None:
     """The architectures beyond the first three, computed exactly: float32 engine, torch
-    backend, half the experts on the CPU; every token equal to plain vLLM's."""
+    backend, half the experts on the CPU; every token equal to plain vLLM's. (This replaced
+    the torch backend's BF16 run on Qwen3-MoE: the same backend code, a weaker claim.)"""
     model = tiny_model(arch)
     got, _ = hybrid_logged(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"}, dtype="float32")
     expected = plain(model, "float32")
@@ -158,7 +153,7 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
     print(f"zero backend: {differing(got, expected)} of {len(got)} differ, drift {logprob_drift(got, expected):.3f}")
     print(f"zero backend, long prompt: {got[-1]}\nplain vLLM, long prompt: {expected[-1]}")
     assert differing(got, expected) >= 2
-    assert logprob_drift(got, expected) > TIE_GAP  # the teacher-forced comparison sees it too
+    assert logprob_drift(got, expected) > TIE_GAP  # teacher forcing sees it too (7.6 on the dev box)
     with pytest.raises(AssertionError, match="parts at step"):
         assert_same_greedy_tokens(got, expected)
 
@@ -167,9 +162,12 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
 # differ of the six, chosen-token logprob drift of the short prompts' completions). The
 # drift counts every step: a completion that parts is compared past the difference by
 # teacher forcing. Measured on the 2-core dev box (AVX-512-BF16, no AMX: kt-kernel's
-# AVX-512 kernels), `pytest tests/engine/test_engine_e2e.py -k online_amx`: <AMX_MEASURED>
+# AVX-512 kernels), `pytest -s tests/engine/test_engine_e2e.py -k online_amx`, 2026-12-05:
+# Qwen3-MoE AMXINT8 (one GPU expert) 0 differ, drift 0.00071; Mixtral AMXINT8 0, 0.00008;
+# Mixtral AMXINT4 1 (the long prompt), 0.00031. The long prompt's drift, past the training
+# text where top twos nearly tie, is printed, not bounded (0.57, 0.0023, 0.19).
 # The margins cover what another machine's kernels round otherwise (AMX tiles accumulate in
-# another order), which we have not measured: 10x the dev box's drift.
+# another order), which we have not measured: about 10x the dev box's drift.
 AMX_ACCURACY_BOUNDS = {
     ("qwen3_moe", "AMXINT8"): (0, 0.007),
     ("mixtral", "AMXINT8"): (0, 0.001),

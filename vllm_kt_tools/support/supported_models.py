@@ -31,7 +31,7 @@ SERVED, REFUSED, NOT_CHECKED = "served", "refused at config time", "not checked"
 # in CI): tests/engine/test_engine_e2e.py, greedy tokens against plain vLLM on the same checkpoint.
 _BF16_CHECK = "greedy tokens equal plain vLLM's with kt-kernel BF16 CPU experts"
 _CHECKS = {
-    "qwen3_moe": f"{_BF16_CHECK} (half, all, all but one expert on the CPU); torch backend; deferral, dynamic "
+    "qwen3_moe": f"{_BF16_CHECK} (half, all, all but one expert on the CPU); deferral, dynamic "
     "experts, AMXINT8, tensor parallelism, block-FP8/GPTQ checkpoints (GPU)",
     "mixtral": f"{_BF16_CHECK} (half on the CPU); online AMXINT8/AMXINT4 within their bounds",
     "deepseek_v3": f"{_BF16_CHECK} (half, all on the CPU); dynamic experts, tensor parallelism, block-FP8 and "
