@@ -44,6 +44,34 @@ def test_broken_cpu_expert_weights_stop_vllm_serve(tiny_model, tmp_path, kind: s
     assert_stops_before_weights(model, settings, BREAKAGES[kind])
 
 
+def test_an_unsupported_architecture_stops_vllm_serve(tiny_model, tmp_path) -> None:
+    """gpt-oss (biased experts, clamped SwiGLU) is refused from its config, in the front end:
+    a config and tokenizer are all it takes (vllm_kt_plugin/architectures.py)."""
+    import shutil
+
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        architectures=["GptOssForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)
+    for tokenizer_file in tiny_model("qwen3_moe").glob("tokenizer*"):
+        shutil.copy(tokenizer_file, tmp_path)
+    # KT_BACKEND=torch: the default backend would first ask for expert weights this directory lacks
+    expected = "--quantization='kt-hybrid' is invalid (GptOssForCausalLM: gpt-oss's experts have biases"
+    assert_stops_before_weights(tmp_path, {"KT_BACKEND": "torch"}, expected)
+
+
 def assert_stops_before_weights(model, settings: dict[str, str], expected: str) -> None:
     """Refused in the API-server process (no engine core ever starts), and the last line of
     the output is the refusal, naming the variable; the time to it is printed (-s)."""

@@ -8,13 +8,18 @@ from pathlib import Path
 import pytest
 from kt_testing.engines import (
     DEFERRAL_DRIFT_BOUND,
+    DEFERRAL_RAN,
+    PREFILL_RAN,
     PROMPTS,
+    TIE_GAP,
     assert_same_greedy_tokens,
+    differing,
     generate,
     generate_logged,
     install_zero_backend,
+    layer_swaps,
+    logprob_drift,
     long_prompt,
-    top1_drift,
 )
 from kt_testing.hardware import requires_kernel
 
@@ -27,7 +32,7 @@ PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
 # (the five short prompts, 30 tokens, and the long prompt's first chunk) takes it; decode
 # steps (6 tokens) do not; the 180-token prompt arrives in chunks of the 64-token budget.
 GPU_PREFILL = {"KT_GPU_PREFILL_MIN_TOKENS": "16"}
-PREFILL_RAN = "kt-hybrid: GPU prefill ran"
+DEFERRAL = {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}
 ENGINE = {"max_num_batched_tokens": 64}
 _plain_cache: dict[str, list] = {}
 
@@ -37,17 +42,25 @@ def prompts_for(model: Path) -> list[str]:
 
 
 def hybrid(model: Path, kt: dict[str, str], **env: str) -> list:
-    """kt-hybrid's greedy completions of this file's prompts, on this file's engine settings."""
-    return generate(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE, **env)
+    """kt-hybrid's greedy completions of this file's prompts, on this file's engine settings;
+    the engine also scores plain vLLM's tokens (teacher forcing, for the comparison past a tie)."""
+    return hybrid_logged(model, kt, **env)[0]
 
 
-def plain(model: Path) -> list:
+def hybrid_logged(model: Path, kt: dict[str, str], dtype: str = "auto", **env: str) -> tuple[list, str]:
+    llm = {**ENGINE, "dtype": dtype}
+    return generate_logged(
+        model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=llm, reference=plain(model, dtype), **env
+    )
+
+
+def plain(model: Path, dtype: str = "auto") -> list:
     """Plain vLLM, plugin not even loaded (VLLM_PLUGINS names no plugin)."""
-    key = str(model)
+    key = f"{model}:{dtype}"
     if key not in _plain_cache:
-        _plain_cache[key] = generate(
-            model, prompts_for(model), kt=None, max_tokens=MAX_TOKENS, llm=ENGINE, VLLM_PLUGINS=""
-        )
+        llm = {**ENGINE, "dtype": dtype}
+        prompts = prompts_for(model)
+        _plain_cache[key] = generate(model, prompts, kt=None, max_tokens=MAX_TOKENS, llm=llm, VLLM_PLUGINS="")
     return _plain_cache[key]
 
 
@@ -65,45 +78,117 @@ def token_ids(results: list) -> list[list[int]]:
     return [r["ids"] for r in results]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
-@pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
+# Which placements each architecture runs with. What differs between architectures is vLLM's
+# side (router, shared experts, weight names), which one placement exercises; what differs
+# between placements is the split, the same code for every architecture. So every
+# architecture runs half on the CPU (the most paths: GPU experts, CPU experts, GPU
+# prefill), Qwen3-MoE every placement, DeepSeek-V3 also with all on the CPU (its shared
+# expert beside no GPU experts at all).
+BF16_RUNS = [
+    ("qwen3_moe", "half on CPU"),
+    ("qwen3_moe", "all on CPU"),
+    ("qwen3_moe", "one GPU expert"),
+    ("mixtral", "half on CPU"),
+    ("deepseek_v3", "half on CPU"),
+    ("deepseek_v3", "all on CPU"),
+    ("glm4_moe", "half on CPU"),
+    ("qwen2_moe", "half on CPU"),
+]
+KT_KERNEL_BF16 = {"KT_BACKEND": "kt_kernel", "KT_METHOD": "BF16"}
+_bf16_cache: dict[tuple[str, str], list] = {}
+
+
+def kt_kernel_bf16(model: Path, placement: str) -> tuple[list, str]:
+    """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU); kept
+    for the deferral test, which compares with the all-on-CPU run."""
+    key = (str(model), placement)
+    kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
+    got, log = hybrid_logged(model, {**kt, **(GPU_PREFILL if placement == "half on CPU" else {})})
+    _bf16_cache[key] = got
+    return got, log
+
+
+@pytest.mark.parametrize(("arch", "placement"), BF16_RUNS, ids=[f"{a}-{p}" for a, p in BF16_RUNS])
 def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement: str) -> None:
     model = tiny_model(arch)
     expected = plain(model)
     assert all(len(r["ids"]) == MAX_TOKENS for r in expected)
-    kt = {"KT_BACKEND": "kt_kernel", "KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
-    prefill = placement == "half on CPU"
-    got, log = generate_logged(
-        model, prompts_for(model), kt={**kt, **(GPU_PREFILL if prefill else {})}, max_tokens=MAX_TOKENS, llm=ENGINE
-    )
+    got, log = kt_kernel_bf16(model, placement)
+    drift = logprob_drift(got, expected)
+    print(f"{arch} {placement}: {differing(got, expected)} of {len(got)} completions differ, drift {drift:.5f}")
     assert_same_greedy_tokens(got, expected)
+    prefill = placement == "half on CPU"
     assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
 
 
-def test_torch_backend_tokens_equal_plain_vllm(tiny_model) -> None:
-    model = tiny_model("qwen3_moe")
-    got = hybrid(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"})
-    assert_same_greedy_tokens(got, plain(model))
+# The torch backend computes in float32; in a float32 engine only the order of the sums
+# differs from plain vLLM (GPU and CPU experts added apart). Measured on the 2-core dev box
+# (AVX-512, `pytest -s tests/engine/test_engine_e2e.py -k float32`): GLM-4.5 4.2e-07, Qwen2-MoE
+# 1.0e-06, every token equal. Bound: that, plus a margin of 1e-4 for another machine's
+# summation order, far below any missing or misweighted expert (the zero backend: > 1 nat).
+FLOAT32_DRIFT_BOUND = 1e-4
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen2_moe"])
+def test_torch_backend_is_exact_in_float32(tiny_model, arch: str) -> None:
+    """The architectures beyond the first three, computed exactly: float32 engine, torch
+    backend, half the experts on the CPU; every token equal to plain vLLM's. (This replaced
+    the torch backend's BF16 run on Qwen3-MoE: the same backend code, a weaker claim.)"""
+    model = tiny_model(arch)
+    got, _ = hybrid_logged(model, {"KT_BACKEND": "torch", "KT_NUM_GPU_EXPERTS": "4"}, dtype="float32")
+    expected = plain(model, "float32")
+    drift = logprob_drift(got, expected)
+    print(f"{arch} float32, torch backend: {differing(got, expected)} of {len(got)} differ, drift {drift:.2e}")
+    assert token_ids(got) == token_ids(expected)
+    assert drift <= FLOAT32_DRIFT_BOUND
 
 
 def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path) -> None:
     """The comparison above can fail: a third-party backend (installed through the
     ``vllm_kt_plugin.cpu_backends`` entry point) that returns zeros for the CPU experts
-    must not reproduce plain vLLM's tokens."""
+    must not reproduce plain vLLM's tokens, nor score them as plain vLLM does."""
     model = tiny_model("qwen3_moe")
     got = hybrid(model, {"KT_BACKEND": "zeros", "KT_NUM_GPU_EXPERTS": "4"}, PYTHONPATH=install_zero_backend(tmp_path))
-    differing = [g != e for g, e in zip(token_ids(got), token_ids(plain(model)), strict=True)]
-    assert sum(differing) >= 2, differing
+    expected = plain(model)
+    print(f"zero backend: {differing(got, expected)} of {len(got)} differ, drift {logprob_drift(got, expected):.3f}")
+    print(f"zero backend, long prompt: {got[-1]}\nplain vLLM, long prompt: {expected[-1]}")
+    assert differing(got, expected) >= 2
+    assert logprob_drift(got, expected) > TIE_GAP  # teacher forcing sees it too (7.6 on the dev box)
     with pytest.raises(AssertionError, match="parts at step"):
-        assert_same_greedy_tokens(got, plain(model))
+        assert_same_greedy_tokens(got, expected)
+
+
+# Online AMX quantization against plain vLLM: (arch, method) -> (completions that may
+# differ of the six, chosen-token logprob drift of the short prompts' completions). The
+# drift counts every step: a completion that parts is compared past the difference by
+# teacher forcing. Measured on the 2-core dev box (AVX-512-BF16, no AMX: kt-kernel's
+# AVX-512 kernels), `pytest -s tests/engine/test_engine_e2e.py -k online_amx`, 2026-12-05:
+# Qwen3-MoE AMXINT8 (one GPU expert) 0 differ, drift 0.00071; Mixtral AMXINT8 0, 0.00008;
+# Mixtral AMXINT4 1 (the long prompt), 0.00031. The long prompt's drift, past the training
+# text where top twos nearly tie, is printed, not bounded (0.57, 0.0023, 0.19).
+# The margins cover what another machine's kernels round otherwise (AMX tiles accumulate in
+# another order), which we have not measured: about 10x the dev box's drift.
+AMX_ACCURACY_BOUNDS = {
+    ("qwen3_moe", "AMXINT8"): (0, 0.007),
+    ("mixtral", "AMXINT8"): (0, 0.001),
+    ("mixtral", "AMXINT4"): (1, 0.003),
+}
+
+
+def assert_within_amx_bounds(arch: str, method: str, got: list, expected: list) -> None:
+    max_differing, max_drift = AMX_ACCURACY_BOUNDS[(arch, method)]
+    drift = logprob_drift(confident(got), confident(expected))
+    long_drift = logprob_drift(got[len(PROMPTS) :], expected[len(PROMPTS) :])
+    count = differing(got, expected)
+    print(f"{arch} {method}: {count} of {len(got)} completions differ; drift {drift:.5f} (long one {long_drift:.4f})")
+    assert count <= max_differing and drift <= max_drift, (arch, method, count, drift)
 
 
 @requires_kernel("AMXINT8")
 def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path: Path) -> None:
     """AMXINT8 without KT_WEIGHT_PATH: quantized while vLLM loads the checkpoint, cached,
-    and loaded from the cache on the next start (same tokens). INT8 is approximate, so
-    against plain vLLM: at most one of the six completions may differ, and the top
-    logprobs stay within 0.1 nats while the tokens agree (measured: docs/design.md, *Online AMX weights*)."""
+    and loaded from the cache on the next start (same tokens). INT8 is approximate: against
+    plain vLLM within AMX_ACCURACY_BOUNDS."""
     model = tiny_model("qwen3_moe")
     kt = {"KT_METHOD": "AMXINT8", "KT_NUM_GPU_EXPERTS": "1", "KT_CACHE_DIR": str(tmp_path)}
     first = hybrid(model, kt)
@@ -113,48 +198,39 @@ def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path
     second = hybrid(model, kt)
     assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
     assert token_ids(first) == token_ids(second)
-    expected = plain(model)
-    assert sum(a != b for a, b in zip(token_ids(first), token_ids(expected), strict=True)) <= 1
-    for got, want in zip(confident(first), confident(expected), strict=True):
-        for step, (a, b) in enumerate(zip(got["ids"], want["ids"], strict=True)):
-            if a != b:
-                break
-            assert abs(got["top2"][step][0] - want["top2"][step][0]) <= 0.1, (
-                step,
-                got["top2"][step],
-                want["top2"][step],
-            )
+    assert_within_amx_bounds("qwen3_moe", "AMXINT8", first, plain(model))
 
 
 def test_expert_deferral_end_to_end(tiny_model) -> None:
     """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN=1: one of each token's two CPU experts is added one
-    layer later (never on the last MoE layer). It must change the numbers (else it is not
-    active) but keep greedy tokens and stay within DEFERRAL_DRIFT_BOUND of plain vLLM on the
-    confident completions (see `confident`)."""
+    layer later (never on the last MoE layer). The log shows experts were deferred, and it
+    changes the numbers, but keeps greedy tokens and stays within DEFERRAL_DRIFT_BOUND of
+    plain vLLM on the confident completions (see `confident`)."""
     model = tiny_model("qwen3_moe")
-    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "0"}
-    exact = hybrid(model, kt)
-    deferred = hybrid(model, {**kt, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"})
+    exact = _bf16_cache.get((str(model), "all on CPU")) or kt_kernel_bf16(model, "all on CPU")[0]
+    deferred, log = hybrid_logged(model, {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "0", **DEFERRAL})
+    assert DEFERRAL_RAN in log
     expected = plain(model)
     deferred, exact, expected = confident(deferred), confident(exact), confident(expected)
+    print(f"deferral: drift {logprob_drift(deferred, expected):.4f} against plain vLLM")
     assert token_ids(deferred) == token_ids(expected)
-    assert top1_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND
-    assert top1_drift(deferred, exact) > 2 * top1_drift(exact, expected)  # deferral is really on
+    assert logprob_drift(deferred, expected) <= DEFERRAL_DRIFT_BOUND
+    assert logprob_drift(deferred, exact) > 2 * logprob_drift(exact, expected)  # the numbers did change
 
 
 def test_expert_deferral_with_gpu_prefill(tiny_model) -> None:
     """Deferral beside GPU experts and GPU prefill (the H200's defaults): the prefill forward
-    computes every expert on the GPU, then decode defers one CPU expert per token. Greedy
-    tokens and drift as in the test above, and the log shows GPU prefill ran. (Measured on
-    an AMX machine: drift 0.12 against plain vLLM, 0.007 with the same placement and no
-    deferral.)"""
+    computes every expert on the GPU, then decode defers one CPU expert per token. The log
+    shows both ran; greedy tokens and drift as in the test above. (Measured on an AMX
+    machine: drift 0.12 against plain vLLM, 0.007 with the same placement and no deferral.)"""
     model = tiny_model("qwen3_moe")
-    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "4", "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1", **GPU_PREFILL}
-    got, log = generate_logged(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE)
-    assert PREFILL_RAN in log
+    kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "4", **DEFERRAL, **GPU_PREFILL}
+    got, log = hybrid_logged(model, kt)
+    assert PREFILL_RAN in log and DEFERRAL_RAN in log
     expected = confident(plain(model))
+    print(f"deferral with GPU prefill: drift {logprob_drift(confident(got), expected):.4f} against plain vLLM")
     assert token_ids(confident(got)) == token_ids(expected)
-    assert top1_drift(confident(got), expected) <= DEFERRAL_DRIFT_BOUND
+    assert logprob_drift(confident(got), expected) <= DEFERRAL_DRIFT_BOUND
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -164,35 +240,18 @@ def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> No
     vLLM's own post-processing into the GPU slot; kt-kernel's mask flipped in place). The
     log shows swaps, and the tokens stay plain vLLM's."""
     model = tiny_model(arch)
-    kt = {"KT_METHOD": "BF16", "KT_NUM_GPU_EXPERTS": "2", "KT_DYNAMIC_GPU_EXPERTS": "1"}
-    got, log = generate_logged(model, prompts_for(model), kt=kt, max_tokens=MAX_TOKENS, llm=ENGINE)
-    assert "kt-hybrid: dynamic GPU experts: model.layers." in log and "moved to the GPU" in log
+    kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "2", "KT_DYNAMIC_GPU_EXPERTS": "1"}
+    got, log = hybrid_logged(model, kt)
+    assert layer_swaps(log) > 0, log[-3000:]
     assert_same_greedy_tokens(got, plain(model))
-
-
-# Online quantization on a model whose sizes AMXINT4 can tile (the tiny Mixtral: hidden 128,
-# expert width 256; the other tiny models' experts are 64 wide), every expert on the CPU.
-# Measured on this project's AVX-512 machine (docs/design.md, *Online AMX weights*): AMXINT8 0 of 6
-# completions differ, drift 0.0001; AMXINT4 1 of 6 (the long prompt, at its 24th token),
-# drift 0.0003. The bounds leave room above the worst seen (batches form differently on
-# other machines, and so does the rounding).
-AMX_ACCURACY_BOUNDS = {"AMXINT8": (1, 0.02), "AMXINT4": (2, 0.05)}  # method: (completions that may differ, drift)
 
 
 @requires_kernel("AMXINT4")
 def test_online_amx_accuracy_against_plain_vllm(tiny_model, tmp_path: Path) -> None:
-    """What online AMXINT4/AMXINT8 quantization costs: completions that differ from plain
-    vLLM's (of the six) and the largest chosen-token logprob drift while the tokens agree
-    (confident completions), each within its measured bound (docs/design.md, *Online AMX weights*)."""
+    """What online AMXINT4/AMXINT8 quantization costs on a model whose sizes AMXINT4 can tile
+    (the tiny Mixtral: hidden 128, expert width 256; the other tiny models' experts are 64
+    wide), every expert on the CPU: within AMX_ACCURACY_BOUNDS (docs/design.md, *Online AMX weights*)."""
     model = tiny_model("mixtral")
-    expected = plain(model)
-    for method, (max_differing, max_drift) in AMX_ACCURACY_BOUNDS.items():
-        kt = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": "0", "KT_CACHE_DIR": str(tmp_path)}
-        got = hybrid(model, kt)
-        differing = sum(a != b for a, b in zip(token_ids(got), token_ids(expected), strict=True))
-        drift = top1_drift(confident(got), confident(expected))
-        long_drift = top1_drift(got[len(PROMPTS) :], expected[len(PROMPTS) :])
-        print(
-            f"{method}: {differing} of {len(got)} completions differ; drift {drift:.4f} (long prompt {long_drift:.4f})"
-        )
-        assert differing <= max_differing and drift <= max_drift, (method, differing, drift)
+    for method in ("AMXINT8", "AMXINT4"):
+        got = hybrid(model, {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": "0", "KT_CACHE_DIR": str(tmp_path)})
+        assert_within_amx_bounds("mixtral", method, got, plain(model))

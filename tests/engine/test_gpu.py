@@ -15,12 +15,16 @@ import re
 import pytest
 import torch
 from kt_testing.engines import (
+    DEFERRAL_RAN,
+    PREFILL_RAN,
     PROMPTS,
     assert_same_greedy_tokens,
+    differing,
     generate,
     generate_logged,
+    layer_swaps,
+    logprob_drift,
     long_prompt,
-    top1_drift,
 )
 
 pytestmark = [
@@ -48,8 +52,8 @@ def plain_graphs(qwen3) -> list:
 
 
 @pytest.fixture(scope="module")
-def hybrid_graphs(qwen3) -> list:
-    return generate(qwen3, PROMPTS, kt=HYBRID)
+def hybrid_graphs(qwen3, plain_graphs: list) -> list:
+    return generate(qwen3, PROMPTS, kt=HYBRID, reference=plain_graphs)
 
 
 def test_cuda_graphs_match_eager_mode(qwen3, hybrid_graphs: list) -> None:
@@ -58,11 +62,14 @@ def test_cuda_graphs_match_eager_mode(qwen3, hybrid_graphs: list) -> None:
 
 
 def test_cuda_graphs_match_plain_vllm(plain_graphs: list, hybrid_graphs: list) -> None:
+    print(f"CUDA graphs, BF16: drift {logprob_drift(hybrid_graphs, plain_graphs):.5f} against plain vLLM")
     assert_same_greedy_tokens(hybrid_graphs, plain_graphs)
 
 
 # Deferring 1 of 2 experts with 6 of 8 on the CPU moved chosen-token logprobs by 0.43 on the
-# H200 (one run, identical tokens); the CPU build's all-on-CPU runs moved them <= 0.21.
+# H200 (one run, identical tokens; `pytest -m gpu tests/engine/test_gpu.py -k deferral`,
+# 2026-12-03); the CPU build's all-on-CPU runs moved them <= 0.21. Bound: 0.43 plus a margin
+# of 0.17 (40 %) for batch composition, which changes with timing from run to run.
 GPU_DEFERRAL_DRIFT_BOUND = 0.6
 
 
@@ -71,9 +78,11 @@ def test_expert_deferral_inside_cuda_graphs(qwen3, plain_graphs: list) -> None:
     CPU experts is added one layer later, inside the captured graphs (kt-kernel's selection
     used to fail on the padded picks while vLLM captured them). Tokens equal plain vLLM's,
     chosen-token logprobs within GPU_DEFERRAL_DRIFT_BOUND."""
-    deferred = generate(qwen3, PROMPTS, kt={**HYBRID, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"})
-    drift = top1_drift(deferred, plain_graphs)
+    kt = {**HYBRID, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}
+    deferred, log = generate_logged(qwen3, PROMPTS, kt=kt, reference=plain_graphs)
+    drift = logprob_drift(deferred, plain_graphs)
     print(f"deferral inside CUDA graphs: drift {drift:.4f} against plain vLLM")
+    assert DEFERRAL_RAN in log  # in the eager prefill forward: the graphs' replays log nothing
     assert_same_greedy_tokens(deferred, plain_graphs)
     assert drift <= GPU_DEFERRAL_DRIFT_BOUND
 
@@ -87,8 +96,10 @@ def test_dynamic_gpu_experts_inside_cuda_graphs(qwen3) -> None:
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}, "max_num_batched_tokens": 64}
     expected = generate(qwen3, prompts, kt=None, llm=llm, VLLM_PLUGINS="")
-    moving, log = generate_logged(qwen3, prompts, kt={**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"}, llm=llm)
-    assert "moved to the GPU" in log
+    kt = {**HYBRID, "KT_DYNAMIC_GPU_EXPERTS": "1"}
+    moving, log = generate_logged(qwen3, prompts, kt=kt, llm=llm, reference=expected)
+    print(f"dynamic GPU experts: {layer_swaps(log)} layer swaps; drift {logprob_drift(moving, expected):.5f}")
+    assert layer_swaps(log) > 0
     assert_same_greedy_tokens(moving, expected)
 
 
@@ -110,19 +121,30 @@ def test_metrics_inside_cuda_graphs(qwen3) -> None:
     assert float(re.search(r"GPU experts ([0-9.]+) ms", lines[-1]).group(1)) > 0
 
 
+# AMXINT8 against plain vLLM, short prompts: (completions that may differ, chosen-token drift,
+# counted past a difference by teacher forcing). No GPU measurement yet: set from the CPU
+# build's (tiny Qwen3-MoE, AMXINT8, one GPU expert: 0 of 6 differ, drift 0.0007 on an
+# AVX-512 machine; README, *Online AMX weights*) with the CPU test's margin (10x, for
+# kernels that round otherwise: AMX tiles); the test prints what it measures, for the
+# sitting to confirm.
+GPU_AMXINT8_BOUNDS = (0, 0.007)
+
+
 def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: list) -> None:
     """AMXINT8 quantized online on the first start, loaded from the cache on the second:
-    both give the same tokens, and stay close to plain vLLM (INT8 is approximate)."""
+    both give the same tokens, and stay within GPU_AMXINT8_BOUNDS of plain vLLM."""
     kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path)}
-    first = generate(qwen3, PROMPTS, kt=kt)
+    first = generate(qwen3, PROMPTS, kt=kt, reference=plain_graphs)
     markers = sorted(tmp_path.rglob("vllm-kt.json"))
     assert markers, "nothing was cached"
     stamps = [m.stat().st_mtime_ns for m in markers]
-    second = generate(qwen3, PROMPTS, kt=kt)
+    second = generate(qwen3, PROMPTS, kt=kt, reference=plain_graphs)
     assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
     assert ids(first) == ids(second)
-    matching = sum(a == b for a, b in zip(ids(first), ids(plain_graphs), strict=True))
-    assert matching >= len(PROMPTS) - 1, (ids(first), ids(plain_graphs))
+    count, drift = differing(first, plain_graphs), logprob_drift(first, plain_graphs)
+    print(f"AMXINT8 inside CUDA graphs: {count} of {len(first)} completions differ; drift {drift:.5f}")
+    max_differing, max_drift = GPU_AMXINT8_BOUNDS
+    assert count <= max_differing and drift <= max_drift, (count, drift)
 
 
 @pytest.mark.parametrize(("method", "source"), [("BF16", "no host copy"), ("AMXINT8", "copy takes")])
@@ -132,11 +154,13 @@ def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: 
     CPU experts on the GPU from the streamed weights — written by kt-kernel (BF16) or from
     the pinned host copy (AMXINT8) — decode replays graphs on the CPU path; the tokens
     equal those with GPU prefill off, up to a tie (the 180-token prompt opens on one, which
-    vLLM's GPU kernel and kt-kernel's AMX BF16 break apart: H200, 2026-12-04)."""
+    vLLM's GPU kernel and kt-kernel's AMX BF16 break apart: H200, 2026-12-04), and past it
+    both score the same tokens alike (teacher forcing, within the tie margin)."""
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
     kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": method, "KT_CACHE_DIR": str(tmp_path)}
-    on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm)
     off = generate(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
-    assert "kt-hybrid: GPU prefill ran" in log and source in log
+    on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm, reference=off)
+    print(f"GPU prefill {method}: drift {logprob_drift(on, off):.5f} against GPU prefill off")
+    assert PREFILL_RAN in log and source in log
     assert_same_greedy_tokens(on, off)

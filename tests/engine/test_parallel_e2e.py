@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kt_testing.engines import PROMPTS, assert_same_greedy_tokens, generate_logged, long_prompt
+from kt_testing.engines import PREFILL_RAN, PROMPTS, assert_same_greedy_tokens, generate_logged, long_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -44,11 +44,11 @@ def test_tensor_parallel_matches_plain_and_computes_cpu_experts_once(tiny_model,
     prompts = PROMPTS + [long_prompt(model, 120)]  # 120 tokens: two chunks of 64
     llm = {**TP, "enforce_eager": EAGER[arch]}
     plain, _ = generate_logged(model, prompts, kt=None, max_tokens=MAX_TOKENS, llm=llm, VLLM_PLUGINS="", **BIND)
-    hybrid, log = generate_logged(model, prompts, kt=KT, max_tokens=MAX_TOKENS, llm=llm, **BIND)
+    hybrid, log = generate_logged(model, prompts, kt=KT, max_tokens=MAX_TOKENS, llm=llm, reference=plain, **BIND)
 
     assert_same_greedy_tokens(hybrid, plain)
     assert ranks_logging(log, "tensor-parallel rank 0 of 2 computes the CPU experts") == [0]
     assert ranks_logging(log, "tensor-parallel rank 1 of 2 leaves the CPU experts to rank 0") == [1]
     # Each CPU-expert forward logs one metrics line in the process that computed it.
     assert ranks_logging(log, "kt-hybrid metrics:") == [0], log[-4000:]
-    assert ranks_logging(log, "kt-hybrid: GPU prefill ran") != []
+    assert ranks_logging(log, PREFILL_RAN) != []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kt_testing.engines import PROMPTS, generate, generate_logged, long_prompt, top1_drift
+from kt_testing.engines import PREFILL_RAN, PROMPTS, differing, generate, generate_logged, logprob_drift, long_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,16 +32,27 @@ CHECKPOINTS = [
     ("qwen3_moe", "gptq-int4", "AutoGPTQMoEMethod", "GPTQ_INT4"),
 ]
 PLACEMENTS = {"half on CPU": "4", "all on CPU": "0"}
-# format: (completions that may differ, chosen-token logprob drift). Measured on the H200:
-# Qwen3-MoE block-FP8 0 differ / 0.0001 (half on CPU), 0.0002 (all); GPTQ 0 / 0.0000 (half);
-# DeepSeek-V3 block-FP8 0 / 0.108 (half: vLLM's FP8 MoE also quantizes the activations, per
-# 128-wide group, kt-kernel's FP8 keeps them BF16; on a checkpoint whose kv_a_proj_with_mqa
-# the writer had left out, since fixed; on the rewritten one: 1 of 6 differ, 0.040).
-# DeepSeek-V3 compressed-tensors INT4: 0 / 0.043 (half). All on CPU (2026-12-04): DeepSeek-V3
-# block-FP8 1 / 0.040, compressed-tensors INT4 0 / 0.043, GPTQ Qwen3-MoE 0 / 0.0001. With GPU
-# prefill (block-FP8, half): Qwen3-MoE 0 / 0.0001, DeepSeek-V3 1 / 0.040. FP8's bound leaves
-# room above 0.108.
-QUANTIZED_BOUNDS = {"fp8-block": (1, 0.15), "ct-int4": (1, 0.1), "gptq-int4": (1, 0.1)}
+# (arch, format): (completions that may differ of the six, chosen-token logprob drift of the
+# five short prompts' completions, counted past a difference by teacher forcing). Measured on
+# the H200 (`python -m pytest -m gpu tests/engine/test_quantized_gpu.py`, 2026-12-04, on the
+# checkpoints as now written; README, *Quantized checkpoints*), half / all experts on the CPU,
+# and with GPU prefill (block-FP8, half):
+#   Qwen3-MoE block-FP8    0 / 0.0001, 0 / 0.0002, GPU prefill 0 / 0.0001
+#   Qwen3-MoE GPTQ INT4    0 / 0.0000, 0 / 0.0001
+#   DeepSeek-V3 block-FP8  1 / 0.040,  1 / 0.040,  GPU prefill 1 / 0.040 (vLLM's FP8 MoE also
+#                          quantizes the activations, per 128-wide group; kt-kernel's FP8 keeps
+#                          them BF16. 0.108 before the writer quantized kv_a_proj_with_mqa.)
+#   DeepSeek-V3 ct-INT4    0 / 0.043,  0 / 0.043
+# Bounds: twice the measured drift (at least 0.001, the rounding floor seen on the exact
+# paths), and one differing completion: a near tie that the two kernels break apart, which
+# teacher forcing now bounds past the difference. Those drifts were measured up to the first
+# difference only: the sitting's printed drift confirms them (lead, next H200 sitting).
+QUANTIZED_BOUNDS = {
+    ("qwen3_moe", "fp8-block"): (1, 0.001),
+    ("qwen3_moe", "gptq-int4"): (1, 0.001),
+    ("deepseek_v3", "fp8-block"): (1, 0.08),
+    ("deepseek_v3", "ct-int4"): (1, 0.086),
+}
 LLM = {"enforce_eager": True, "max_num_batched_tokens": 64}
 _plain: dict[str, list] = {}
 
@@ -58,13 +69,9 @@ def test_block_fp8_gpu_prefill_against_plain_vllm(quantized_model, arch: str) ->
     if str(model) not in _plain:
         _plain[str(model)] = generate(model, prompts, kt=None, llm=LLM, VLLM_PLUGINS="")
     kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_GPU_PREFILL_MIN_TOKENS": "32"}
-    got, log = generate_logged(model, prompts, kt=kt, llm=LLM)
-    assert "kt-hybrid: GPU prefill ran" in log and "FP8 CPU experts written by kt_kernel (no host copy)" in log
-    differing = sum(g["ids"] != w["ids"] for g, w in zip(got, _plain[str(model)], strict=True))
-    worst = top1_drift(got[: len(PROMPTS)], _plain[str(model)][: len(PROMPTS)])
-    print(f"{arch} fp8-block GPU prefill: {differing} of {len(got)} completions differ; drift {worst:.4f}")
-    max_differing, max_drift = QUANTIZED_BOUNDS["fp8-block"]
-    assert differing <= max_differing and worst <= max_drift, (differing, worst)
+    got, log = generate_logged(model, prompts, kt=kt, llm=LLM, reference=_plain[str(model)])
+    assert PREFILL_RAN in log and "FP8 CPU experts written by kt_kernel (no host copy)" in log
+    assert_within_bounds(arch, "fp8-block", "GPU prefill", got, _plain[str(model)])
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
@@ -77,10 +84,14 @@ def test_quantized_checkpoint_against_plain_vllm(
     if str(model) not in _plain:
         _plain[str(model)] = generate(model, prompts, kt=None, llm=LLM, VLLM_PLUGINS="")
     expected = _plain[str(model)]
-    got, log = generate_logged(model, prompts, kt={"KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}, llm=LLM)
+    kt = {"KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
+    got, log = generate_logged(model, prompts, kt=kt, llm=LLM, reference=expected)
     assert f"GPU side: {native}, CPU side: kt_kernel {method} " in log
-    differing = sum(g["ids"] != w["ids"] for g, w in zip(got, expected, strict=True))
-    worst = top1_drift(got[: len(PROMPTS)], expected[: len(PROMPTS)])
-    print(f"{arch} {fmt} {placement}: {differing} of {len(got)} completions differ; drift {worst:.4f}")
-    max_differing, max_drift = QUANTIZED_BOUNDS[fmt]
-    assert differing <= max_differing and worst <= max_drift, (differing, worst)
+    assert_within_bounds(arch, fmt, placement, got, expected)
+
+
+def assert_within_bounds(arch: str, fmt: str, run: str, got: list, expected: list) -> None:
+    count, drift = differing(got, expected), logprob_drift(got[: len(PROMPTS)], expected[: len(PROMPTS)])
+    print(f"{arch} {fmt} {run}: {count} of {len(got)} completions differ; drift {drift:.4f}")
+    max_differing, max_drift = QUANTIZED_BOUNDS[(arch, fmt)]
+    assert count <= max_differing and drift <= max_drift, (count, drift)

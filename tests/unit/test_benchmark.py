@@ -292,8 +292,12 @@ def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     lock = tmp_path / "engine-start.lock"
     monkeypatch.delenv(LOCK_VARIABLE, raising=False)
-    with engine_lock():
-        assert not lock.exists()
+    with monkeypatch.context() as patch:
+        calls: list[tuple] = []
+        patch.setattr(fcntl, "flock", lambda *args: calls.append(args))
+        with engine_lock():
+            pass
+        assert calls == []  # unset: nothing is locked
     monkeypatch.setenv(LOCK_VARIABLE, str(lock))
     with engine_lock(), open(lock) as other, pytest.raises(BlockingIOError):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -311,3 +315,14 @@ def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: 
     vllm_env = host_info()["vllm_env"]
     assert vllm_env["VLLM_DEEP_GEMM_WARMUP"] == "skip"
     assert "VLLM_KT_ENGINE_LOCK" not in vllm_env and "VLLM_API_KEY" not in vllm_env
+
+
+def test_decode_rate_is_the_difference_of_two_runs() -> None:
+    """N and 2N new tokens: the N extra decode steps of ``batch`` sequences over the extra
+    time; a short run that took as long or longer (a stall) gives no rate."""
+    from vllm_kt_tools.bench.engine_runs import decode_rate
+
+    assert decode_rate(16, 32, short_s=1.5, long_s=2.5) == 16 * 32 / 1.0
+    assert decode_rate(1, 64, short_s=0.5, long_s=1.3) == pytest.approx(80.0)
+    assert decode_rate(16, 32, short_s=2.0, long_s=2.0) is None
+    assert decode_rate(16, 32, short_s=2.5, long_s=2.0) is None

@@ -22,7 +22,7 @@ def _select() -> tuple:
 
 IDS = torch.tensor([[3, 5, 1], [0, 7, 3], [2, 6, 4]])
 SCORES = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
-LAYER = SimpleNamespace(num_experts=8)
+LAYER = SimpleNamespace(num_experts=8, layer_idx=1, gpu_experts_mask=torch.zeros(8, dtype=torch.bool))
 
 
 def test_deferral_selection_skips_padded_picks() -> None:
@@ -49,3 +49,22 @@ def test_deferral_selection_unchanged_without_padding() -> None:
             patched(LAYER, IDS, SCORES, protected), original(LAYER, IDS, SCORES, protected), strict=True
         ):
             assert torch.equal(got, want)
+
+
+def test_deferral_logs_once_when_a_cpu_expert_was_deferred(caplog: pytest.LogCaptureFixture) -> None:
+    """The line the end-to-end tests read to know deferral ran: only a deferred pick of a
+    CPU expert counts (kt-kernel skips GPU experts' picks, deferred or not), and only once."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import DeferralLog
+
+    log = DeferralLog()
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[[1, 5]] = True  # experts 1 and 5 on the GPU
+    layer = SimpleNamespace(layer_idx=2, gpu_experts_mask=mask)
+    immediate = torch.tensor([[3, -1], [0, -1]])
+    with caplog.at_level("INFO"):
+        log.saw(layer, immediate, torch.tensor([[-1, 5], [-1, 1]]))  # only GPU experts deferred
+        assert not caplog.records
+        log.saw(layer, immediate, torch.tensor([[-1, 5], [-1, 7]]))
+        log.saw(layer, immediate, torch.tensor([[-1, 6], [-1, 7]]))
+    (record,) = caplog.records
+    assert "expert deferral ran: layer 2 deferred 1 of 3 CPU-expert picks" in record.getMessage()

@@ -41,15 +41,16 @@ def test_uniform_is_the_first_n_of_every_layer() -> None:
 
 
 @pytest.mark.parametrize(
-    "layers,experts,gpu", [(4, 8, 4), (10, 64, 10), (58, 256, 16), (3, 8, 7), (5, 8, 8), (5, 8, 0), (7, 4, 1)]
+    "layers,experts,gpu",
+    [(4, 8, 4), (10, 64, 10), (58, 256, 16), (3, 8, 7), (3, 4, 3), (5, 8, 8), (5, 8, 0), (7, 4, 1)],
 )
 def test_front_loading_keeps_the_total_and_favours_early_layers(layers: int, experts: int, gpu: int) -> None:
     counts = front_loading_counts(layers, experts, gpu)
     assert sum(counts) == layers * gpu
     assert all(0 <= c <= experts for c in counts)
     assert counts == sorted(counts, reverse=True)
-    if 0 < gpu < experts:
-        assert counts[0] > gpu > counts[-1] or counts[0] == experts
+    if 0 < gpu < experts:  # (3, 8, 7) and (3, 4, 3) fill the first layers to the top: [8, 8, 5], [4, 4, 1]
+        assert counts[0] > gpu > counts[-1]
 
 
 def test_front_loading_plan() -> None:

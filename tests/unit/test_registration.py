@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def run_python(code: str, **env: str) -> dict:
     """Run ``code`` in a fresh interpreter (a clean vLLM process); it prints JSON."""
@@ -58,18 +60,25 @@ def test_vllm_loads_the_entry_point_and_register_is_idempotent() -> None:
     assert out == {"count": 1, "cls": "KTHybridConfig", "kt_kernel_imported": False, "fused_moe_method_imported": False}
 
 
-def test_vllm_plugins_can_exclude_it() -> None:
+@pytest.mark.parametrize(
+    ("allowed", "registered"), [("lora_filesystem_resolver", False), ("lora_filesystem_resolver,kt_hybrid", True)]
+)
+def test_vllm_plugins_can_exclude_it(allowed: str, registered: bool) -> None:
+    """VLLM_PLUGINS is an allowlist: vLLM loads exactly the general plugins it names, so
+    kt-hybrid is registered where it is named and only there (the other plugin loads either
+    way, so neither outcome is a broken entry point)."""
     out = run_python(
         """
         import json
-        from vllm.plugins import load_general_plugins
+        from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_general_plugins, load_plugins_by_group
+        loaded = sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP))
         load_general_plugins()
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-        print(json.dumps({"registered": "kt-hybrid" in QUANTIZATION_METHODS}))
+        print(json.dumps({"loaded": loaded, "registered": "kt-hybrid" in QUANTIZATION_METHODS}))
         """,
-        VLLM_PLUGINS="lora_filesystem_resolver",
+        VLLM_PLUGINS=allowed,
     )
-    assert out == {"registered": False}
+    assert out == {"loaded": sorted(allowed.split(",")), "registered": registered}
 
 
 MISSPELLED_PLUGIN = """

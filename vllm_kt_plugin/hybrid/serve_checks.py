@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_kt_plugin.architectures import check_architecture
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name
@@ -71,9 +72,10 @@ def check_model(
 ) -> list[str]:
     """Every check against the model: its experts, the GPU budget's inputs, the files and
     sizes the backend needs. Raises KTConfigError; returns warnings (one line each)."""
+    config = hf_config.to_dict()
+    check_architecture(config)
     num_experts, top_k = routed_experts(hf_config)
     settings.check_model(num_experts, top_k)
-    config = hf_config.to_dict()
     sized_to_gpu = settings.gpu_experts_auto and settings.gpu_memory_gb is None
     if sized_to_gpu and not (platform_has_gpu() if has_gpu is None else has_gpu):
         raise KTConfigError(

@@ -195,15 +195,11 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
-    def decode_rate(batch: int, seed: int) -> tuple[float | None, list[list[int]]]:
-        # Two long runs, N and 2N new tokens: their difference is N decode steps with no
-        # prefill or first-call cost in it (a 1-token baseline was seen to be slower than
-        # a 65-token run at batch 16). None where the short run took as long or longer: a
-        # stall in it outweighed N steps (seen on a 6-layer model, N = 32, batch 16).
+    def timed_decode_rate(batch: int, seed: int) -> tuple[float | None, list[list[int]]]:
         prompts = _prompts(batch, 32, vocab, seed)
         short, tokens = timed(prompts, spec.decode_tokens)
         long, _ = timed(prompts, 2 * spec.decode_tokens)
-        return (batch * spec.decode_tokens / (long - short) if long > short else None), tokens
+        return decode_rate(batch, spec.decode_tokens, short, long), tokens
 
     def decode_rates(batch: int, seed: int) -> tuple[list[float], int, list[list[int]]]:
         """Up to DECODE_REPEATS rates (fewer where as many pairs were discarded), and the
@@ -212,7 +208,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         rates: list[float] = []
         discarded = 0
         while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
-            rate, tokens = decode_rate(batch, seed)
+            rate, tokens = timed_decode_rate(batch, seed)
             if rate is None:
                 discarded += 1
             else:
@@ -237,6 +233,15 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "prefill_long_prompt_tokens": long_len,
         "greedy_tokens_bs1": tokens_bs1[0],
     }
+
+
+def decode_rate(batch: int, new_tokens: int, short_s: float, long_s: float) -> float | None:
+    """Decode tokens per second from two runs of the same prompts, ``new_tokens`` and twice as
+    many new tokens: their difference is ``new_tokens`` decode steps with no prefill or
+    first-call cost in it (a 1-token baseline was seen to be slower than a 65-token run at
+    batch 16). None where the short run took as long or longer: a stall in it outweighed
+    the steps (seen on a 6-layer model, 32 tokens, batch 16)."""
+    return batch * new_tokens / (long_s - short_s) if long_s > short_s else None
 
 
 def decode_summary(name: str, rates: list[float], discarded: int = 0) -> dict[str, Any]:

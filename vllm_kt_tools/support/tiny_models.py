@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "deepseek_v3")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen2_moe")
 # Bump when the text, shapes or training change: cached models are keyed by it.
 GENERATOR_VERSION = 2
 
@@ -134,6 +134,41 @@ def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quant
                 "mscale_all_dim": 1.0,
             },
         )
+    if arch == "glm4_moe":  # GLM-4.5/4.6: shared expert, sigmoid routing with a bias, partial rotary
+        if quantizable:
+            raise ValueError("the tiny GLM-4.5 has no quantizable variant")
+        return transformers.Glm4MoeConfig(
+            **_COMMON,
+            vocab_size=vocab_size,
+            head_dim=32,
+            moe_intermediate_size=64,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            num_experts_per_tok=top_k,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            num_mtp_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+    if arch == "qwen2_moe":  # Qwen1.5/2-MoE: a shared expert behind a sigmoid gate, no top-k renormalisation
+        if quantizable:
+            raise ValueError("the tiny Qwen2-MoE has no quantizable variant")
+        return transformers.Qwen2MoeConfig(
+            **_COMMON,
+            vocab_size=vocab_size,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            qkv_bias=True,
+        )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 
@@ -190,7 +225,7 @@ def write_numbered_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 
 def _set_router_bias(model: Any, seed: int) -> dict[str, Any]:
-    """DeepSeek-V3's noaux_tc router adds e_score_correction_bias before top-k. Give it
+    """DeepSeek-V3's and GLM-4.5's routers add e_score_correction_bias before top-k. Give it
     non-zero values (so the tests exercise it) before training; return them by
     checkpoint name, since transformers does not save this buffer."""
     import torch

@@ -16,18 +16,24 @@ Both apply only when torch sees no accelerator.
    batch with: on the GPU the scatter hits a device-side "index out of bounds" assert
    while vLLM captures its graphs. kt-kernel's forward itself skips -1 ids, so padded
    picks are kept out of the selection and stay -1 in both halves. Applies everywhere.
+   kt-kernel counts nothing it defers, so the wrapper also logs once per process that
+   deferral ran (the tests read that line: deferral silently off must fail them).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import types
 from typing import Any
 
 import torch
 
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
+
+logger = logging.getLogger(LOGGER_NAME)
 
 _PINNING_FACTORIES = ("zeros", "empty", "full", "ones")
 
@@ -74,12 +80,41 @@ def _skipping_padding(select: Any) -> Any:
     """``select_deferred_experts`` for ids that may be -1 (padded tokens, see 3. above):
     kt-kernel's own selection runs with padded picks read as expert 0 (which can only keep
     expert 0 from being deferred in that batch), then they come out -1 on both sides.
-    Graph-safe: no host sync, fixed shapes."""
+    Graph-safe: no host sync, fixed shapes (``DEFERRAL_LOG`` reads counts only outside a
+    graph capture, until it has logged)."""
 
     @functools.wraps(select)
     def call(self: Any, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int) -> Any:
         padded = expert_ids < 0
         immediate, deferred = select(self, expert_ids.clamp_min(0), expert_scores, protected_k)
-        return immediate.masked_fill(padded, -1), deferred.masked_fill(padded, -1)
+        immediate, deferred = immediate.masked_fill(padded, -1), deferred.masked_fill(padded, -1)
+        DEFERRAL_LOG.saw(self, immediate, deferred)
+        return immediate, deferred
 
     return call
+
+
+class DeferralLog:
+    """One INFO line per process, at the first forward that deferred a CPU expert's pick
+    (kt-kernel counts nothing it defers; the tests read this line, so that deferral
+    silently off fails them)."""
+
+    def __init__(self) -> None:
+        self.logged = False
+
+    def saw(self, wrapper: Any, immediate: torch.Tensor, deferred: torch.Tensor) -> None:
+        if self.logged or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return
+        on_gpu = wrapper.gpu_experts_mask.to(deferred.device)  # picks kt-kernel skips, deferred or not
+        deferred_cpu = int(((deferred >= 0) & ~on_gpu[deferred.clamp_min(0)]).sum())
+        if deferred_cpu:
+            self.logged = True
+            logger.info(
+                "kt-hybrid: expert deferral ran: layer %d deferred %d of %d CPU-expert picks to the next layer",
+                wrapper.layer_idx,
+                deferred_cpu,
+                deferred_cpu + int(((immediate >= 0) & ~on_gpu[immediate.clamp_min(0)]).sum()),
+            )
+
+
+DEFERRAL_LOG = DeferralLog()

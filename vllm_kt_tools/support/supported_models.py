@@ -1,0 +1,170 @@
+"""The Supported-models table: every MoE architecture of the installed vLLM's model registry,
+and what kt-hybrid does with it: served (and the test that checks it), refused at config
+time (with the line the user reads), or not checked.
+
+An architecture counts as MoE where its own model module builds vLLM's fused-MoE layer
+(``FusedMoE(``, ``SharedFusedMoE(``, ``FusedMoEFactory(``); wrappers that reuse another
+module's MoE model (multimodal, MTP drafts) are covered by the row of that module's
+architecture; of vLLM's Transformers backend, the classes named MoE. The table is
+written into README.md (served and refused rows) and docs/supported_models.md (every
+row); ``tests/unit/test_supported_models.py`` checks both equal what this module
+generates. Regenerate with ``python -m vllm_kt_tools.support.supported_models``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from vllm_kt_plugin.architectures import architecture_refusal
+from vllm_kt_tools.support.tiny_models import ARCHITECTURES
+
+ROOT = Path(__file__).resolve().parents[2]
+README_START, README_END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
+_MOE_LAYER = re.compile(r"\b(?:Shared)?FusedMoE\w*\(")
+
+SERVED, REFUSED, NOT_CHECKED = "served", "refused at config time", "not checked"
+# How the served architectures are checked (tiny models trained on the spot, vLLM's CPU build
+# in CI): tests/engine/test_engine_e2e.py, greedy tokens against plain vLLM on the same checkpoint.
+_BF16_CHECK = "greedy tokens equal plain vLLM's with kt-kernel BF16 CPU experts"
+_CHECKS = {
+    "qwen3_moe": f"{_BF16_CHECK} (half, all, all but one expert on the CPU); deferral, dynamic "
+    "experts, AMXINT8, tensor parallelism, block-FP8/GPTQ checkpoints (GPU)",
+    "mixtral": f"{_BF16_CHECK} (half on the CPU); online AMXINT8/AMXINT4 within their bounds",
+    "deepseek_v3": f"{_BF16_CHECK} (half, all on the CPU); dynamic experts, tensor parallelism, block-FP8 and "
+    "compressed-tensors INT4 checkpoints (GPU)",
+    "glm4_moe": f"{_BF16_CHECK} (half on the CPU); exact in float32 with the torch backend",
+    "qwen2_moe": f"{_BF16_CHECK} (half on the CPU); exact in float32 with the torch backend",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    architecture: str
+    module: str
+    status: str
+    detail: str  # how it is checked, or the refusal
+
+
+def _module_name(module: str) -> str:
+    return module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+
+
+@cache
+def _source(module: str) -> str:
+    """The module's source; a package's: all its files."""
+    spec = importlib.util.find_spec(_module_name(module))
+    assert spec is not None and spec.origin is not None, module
+    if spec.submodule_search_locations:
+        return "\n".join(f.read_text() for d in spec.submodule_search_locations for f in sorted(Path(d).rglob("*.py")))
+    return Path(spec.origin).read_text()
+
+
+def moe_architectures() -> dict[str, str]:
+    """Architecture -> its module, for every registry entry whose module builds fused-MoE layers."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS  # the registry's own table
+
+    return {arch: module for arch, (module, cls) in sorted(_VLLM_MODELS.items()) if _is_moe(module, cls)}
+
+
+def _is_moe(module: str, cls: str) -> bool:
+    if module == "transformers":  # vLLM's Transformers backend: generic classes, MoE ones by name
+        return "MoE" in cls
+    return bool(_MOE_LAYER.search(_source(module)))
+
+
+def served_architectures() -> dict[str, str]:
+    """Hugging Face architecture name -> tiny model type, for the tested tiny models."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]: model_type for model_type in ARCHITECTURES}
+
+
+def rows() -> list[Row]:
+    served = served_architectures()
+    result = []
+    for arch, module in moe_architectures().items():
+        refusal = architecture_refusal({"architectures": [arch]})
+        if arch in served:
+            result.append(Row(arch, module, SERVED, f"tiny `{served[arch]}`: {_CHECKS[served[arch]]}"))
+        elif refusal is not None:
+            result.append(Row(arch, module, REFUSED, refusal.split(": ", 1)[1]))
+        else:
+            result.append(Row(arch, module, NOT_CHECKED, ""))
+    return result
+
+
+def _table(selected: list[Row]) -> list[str]:
+    lines = ["| architecture | vLLM module | kt-hybrid | how we know |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{r.architecture}` | `{r.module}` | {r.status} | {r.detail} |" for r in selected]
+    return lines
+
+
+def readme_section() -> str:
+    """What README.md holds between its markers: the served and refused rows."""
+    all_rows = rows()
+    shown = [r for r in all_rows if r.status != NOT_CHECKED]
+    others = len(all_rows) - len(shown)
+    return "\n".join(
+        [
+            README_START,
+            *_table(shown),
+            "",
+            f"The other {others} MoE architectures of vLLM's registry are not checked: "
+            "[docs/supported_models.md](docs/supported_models.md) lists them.",
+            README_END,
+        ]
+    )
+
+
+def docs_page() -> str:
+    """docs/supported_models.md."""
+    import vllm
+
+    all_rows = rows()
+    counts = {status: sum(r.status == status for r in all_rows) for status in (SERVED, REFUSED, NOT_CHECKED)}
+    return "\n".join(
+        [
+            "# Supported models",
+            "",
+            f"Every MoE architecture in the model registry of vLLM {vllm.__version__} (an architecture whose model "
+            "module builds vLLM's fused-MoE layer; multimodal and MTP wrappers follow the row of the text model "
+            f"they reuse): {counts[SERVED]} served, {counts[REFUSED]} refused at config time, "
+            f"{counts[NOT_CHECKED]} not checked.",
+            "",
+            "- **served**: a tiny model of the architecture, trained on the spot, gives plain vLLM's greedy tokens "
+            "through kt-hybrid (`tests/engine/test_engine_e2e.py`; the column says what else is checked).",
+            "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads "
+            "(`vllm_kt_plugin/architectures.py`; the column gives the reason).",
+            "- **not checked**: nothing here says whether kt-hybrid serves it. Its MoE layers are refused when "
+            "built where kt-kernel cannot compute them (experts that are not SiLU-gated, have biases, or take "
+            "router weights on the input).",
+            "",
+            "Generated by `python -m vllm_kt_tools.support.supported_models` (checked by "
+            "`tests/unit/test_supported_models.py`).",
+            "",
+            *_table(all_rows),
+            "",
+        ]
+    )
+
+
+def replace_readme_section(readme: str) -> str:
+    start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
+    return readme[:start] + readme_section() + readme[end:]
+
+
+def main() -> None:
+    readme = ROOT / "README.md"
+    readme.write_text(replace_readme_section(readme.read_text()))
+    docs = ROOT / "docs" / "supported_models.md"
+    docs.parent.mkdir(exist_ok=True)
+    docs.write_text(docs_page())
+    print(f"wrote {readme} and {docs}")
+
+
+if __name__ == "__main__":
+    main()
