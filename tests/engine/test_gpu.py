@@ -124,7 +124,7 @@ def test_metrics_inside_cuda_graphs(qwen3) -> None:
 # AMXINT8 against plain vLLM, short prompts: (completions that may differ, chosen-token drift,
 # counted past a difference by teacher forcing). No GPU measurement yet: set from the CPU
 # build's (tiny Qwen3-MoE, AMXINT8, one GPU expert: 0 of 6 differ, drift 0.0007 on an
-# AVX-512 machine; README, *Online AMX weights*) with the CPU test's margin (10x, for
+# AVX-512 machine; docs/design.md, *Online AMX weights*) with the CPU test's margin (10x, for
 # kernels that round otherwise: AMX tiles); the test prints what it measures, for the
 # sitting to confirm.
 GPU_AMXINT8_BOUNDS = (0, 0.007)

@@ -35,7 +35,7 @@ PLACEMENTS = {"half on CPU": "4", "all on CPU": "0"}
 # (arch, format): (completions that may differ of the six, chosen-token logprob drift of the
 # five short prompts' completions, counted past a difference by teacher forcing). Measured on
 # the H200 (`python -m pytest -m gpu tests/engine/test_quantized_gpu.py`, 2026-12-04, on the
-# checkpoints as now written; README, *Quantized checkpoints*), half / all experts on the CPU,
+# checkpoints as now written; docs/design.md, *Quantized checkpoints*), half / all experts on the CPU,
 # and with GPU prefill (block-FP8, half):
 #   Qwen3-MoE block-FP8    0 / 0.0001, 0 / 0.0002, GPU prefill 0 / 0.0001
 #   Qwen3-MoE GPTQ INT4    0 / 0.0000, 0 / 0.0001

@@ -118,3 +118,38 @@ def layer_metrics(log_text: str) -> dict[str, dict[str, float]]:
         }
         for batch, (cpu, gpu, wait, n, windows) in sorted(sums.items(), key=lambda item: int(item[0]))
     }
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """A run's name in tables and charts: system, method and variant (two runs of one method
+    differ only by their variant)."""
+    return " ".join(part for part in (run["system"], run.get("method") or "", run.get("variant") or "") if part)
+
+
+def sitting_time(path: Path) -> float:
+    """When a result file was committed (git), else written (mtime): results carry no date."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%ct", "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return float(out) if out else path.stat().st_mtime
+
+
+def newest_engine_sitting(results: Path) -> Path:
+    """The newest ``vllm-kt bench`` result with engine runs (decode figures) in ``results``."""
+    sittings = []
+    for path in results.glob("*.json"):
+        runs = json.loads(path.read_text()).get("runs") or []
+        if any("decode_bs1_tok_s" in r for r in runs):
+            sittings.append((sitting_time(path), path.name, path))
+    if not sittings:
+        raise FileNotFoundError(f"no engine benchmark results in {results}")
+    return max(sittings)[2]
