@@ -78,3 +78,14 @@ def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from kt_testing.notebooks import notebook_runner
 
     return notebook_runner(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> object:
+    """A process runtime (``hybrid.runtime``) of the layers this test builds only: the
+    layers other tests built stay out of its next-layer lookups and probes."""
+    from vllm_kt_plugin.hybrid import runtime
+
+    fresh = runtime.HybridRuntime()
+    monkeypatch.setattr(runtime, "_RUNTIME", fresh)
+    return fresh

@@ -11,8 +11,10 @@ from kt_testing.engines import (
     DEFERRAL_RAN,
     PREFILL_RAN,
     PROMPTS,
+    SPLIT_RAN,
     TIE_GAP,
     assert_same_greedy_tokens,
+    assert_split_ran,
     differing,
     generate,
     generate_logged,
@@ -33,6 +35,10 @@ PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
 # steps (6 tokens) do not; the 180-token prompt arrives in chunks of the 64-token budget.
 GPU_PREFILL = {"KT_GPU_PREFILL_MIN_TOKENS": "16"}
 DEFERRAL = {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}
+# The split forced in the "one GPU expert" runs: forwards of >= 16 tokens stage half of their
+# picked CPU experts (most-picked first) on the "GPU" (vLLM's CPU kernel from the staging
+# buffer) while kt-kernel computes the rest (docs/split.md).
+SPLIT = {"KT_GPU_PREFILL_MIN_TOKENS": "16", "KT_GPU_PREFILL_SPLIT": "0.5"}
 ENGINE = {"max_num_batched_tokens": 64}
 _plain_cache: dict[str, list] = {}
 
@@ -99,11 +105,13 @@ _bf16_cache: dict[tuple[str, str], list] = {}
 
 
 def kt_kernel_bf16(model: Path, placement: str) -> tuple[list, str]:
-    """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU); kept
-    for the deferral test, which compares with the all-on-CPU run."""
+    """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU, the
+    split with one GPU expert); kept for the deferral test, which compares with the
+    all-on-CPU run."""
     key = (str(model), placement)
     kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
-    got, log = hybrid_logged(model, {**kt, **(GPU_PREFILL if placement == "half on CPU" else {})})
+    forced = GPU_PREFILL if placement == "half on CPU" else SPLIT if placement == "one GPU expert" else {}
+    got, log = hybrid_logged(model, {**kt, **forced})
     _bf16_cache[key] = got
     return got, log
 
@@ -119,6 +127,10 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
     assert_same_greedy_tokens(got, expected)
     prefill = placement == "half on CPU"
     assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
+    if placement == "one GPU expert":
+        assert_split_ran(log, int(SPLIT["KT_GPU_PREFILL_MIN_TOKENS"]))
+    else:
+        assert SPLIT_RAN not in log  # on only where forced
 
 
 # The torch backend computes in float32; in a float32 engine only the order of the sums
@@ -218,17 +230,20 @@ def test_expert_deferral_end_to_end(tiny_model) -> None:
     assert logprob_drift(deferred, exact) > 2 * logprob_drift(exact, expected)  # the numbers did change
 
 
-def test_expert_deferral_with_gpu_prefill(tiny_model) -> None:
-    """Deferral beside GPU experts and GPU prefill (the H200's defaults): the prefill forward
-    computes every expert on the GPU, then decode defers one CPU expert per token. The log
-    shows both ran; greedy tokens and drift as in the test above. (Measured on an AMX
-    machine: drift 0.12 against plain vLLM, 0.007 with the same placement and no deferral.)"""
+def test_expert_deferral_with_split(tiny_model) -> None:
+    """Deferral beside GPU experts and the split (the H200's defaults, forced here): prefill
+    forwards stage half their picked CPU experts on the "GPU" while kt-kernel computes the
+    rest and defers one of each token's, which the next layer's sync adds; decode defers one
+    CPU expert per token. Greedy tokens and drift as in the test above, and the log shows
+    the split ran. (Measured on an AMX machine with the whole layer on the GPU instead:
+    drift 0.12 against plain vLLM, 0.007 with the same placement and no deferral.)"""
     model = tiny_model("qwen3_moe")
-    kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "4", **DEFERRAL, **GPU_PREFILL}
+    kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "4", **DEFERRAL, **SPLIT}
     got, log = hybrid_logged(model, kt)
-    assert PREFILL_RAN in log and DEFERRAL_RAN in log
+    assert DEFERRAL_RAN in log
+    assert_split_ran(log, int(SPLIT["KT_GPU_PREFILL_MIN_TOKENS"]))
     expected = confident(plain(model))
-    print(f"deferral with GPU prefill: drift {logprob_drift(confident(got), expected):.4f} against plain vLLM")
+    print(f"deferral with the split: drift {logprob_drift(confident(got), expected):.4f} against plain vLLM")
     assert token_ids(confident(got)) == token_ids(expected)
     assert logprob_drift(confident(got), expected) <= DEFERRAL_DRIFT_BOUND
 

@@ -41,6 +41,21 @@ DEFERRAL_DRIFT_BOUND = 0.3
 # would pass with the feature silently off).
 PREFILL_RAN = "kt-hybrid: GPU prefill ran"  # hybrid/gpu_prefill_path.py, once per process
 DEFERRAL_RAN = "kt-hybrid: expert deferral ran"  # cpu_backends/kt_kernel/compat.py, once per process
+SPLIT_RAN = "kt-hybrid: split ran"  # hybrid/split_path.py, the first layer's first split forward
+_SPLIT_STAGED = re.compile(r"kt-hybrid: split ran: \S+ staged (\d+) of the (\d+) CPU experts a forward of (\d+) tokens")
+
+
+def assert_split_ran(log: str, min_tokens: int) -> None:
+    """The log shows a real split: a forward of at least ``min_tokens`` staged some of its
+    picked CPU experts on the GPU, not none and not all (so this fails where the split is
+    off, or fell back to one of the pure paths)."""
+    ran = _SPLIT_STAGED.search(log)
+    assert ran is not None, f"no '{SPLIT_RAN}' line: the split did not run"
+    print(ran.group(0))
+    staged, picked, tokens = map(int, ran.groups())
+    assert 0 < staged < picked and tokens >= min_tokens, ran.group(0)
+
+
 _SWAPS = re.compile(r"kt-hybrid: dynamic GPU experts: .* (\d+) layer swaps so far")
 
 

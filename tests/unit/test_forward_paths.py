@@ -7,22 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_kt_plugin.hybrid import paths, runtime
+from vllm_kt_plugin.hybrid import paths
 from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
-from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH
+from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_tools.support.moe_layers import HIDDEN, build_moe, load, random_experts, random_routing, reference_moe
 
 E, K = 8, 2
-
-
-@pytest.fixture
-def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> runtime.HybridRuntime:
-    """A process runtime of the layers this test builds only."""
-    fresh = runtime.HybridRuntime()
-    monkeypatch.setattr(runtime, "_RUNTIME", fresh)
-    return fresh
 
 
 def hybrid_layer(**env: str):
@@ -40,10 +32,13 @@ def forward(layer, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
 
 
 def test_paths_are_asked_in_order(vllm_layer_context, fresh_runtime) -> None:
-    """GPU prefill before the CPU-experts path, which takes every forward left."""
+    """GPU prefill (or, where the split applies, the split instead) before the CPU-experts
+    path, which takes every forward left."""
     layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_GPU_PREFILL_MIN_TOKENS="12")
     method = layer.quant_method
     assert [p.name for p in method.paths] == [GPU_PREFILL_PATH, CPU_PATH]
+    split, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_GPU_PREFILL_MIN_TOKENS="12", KT_GPU_PREFILL_SPLIT="0.5")
+    assert [p.name for p in split.quant_method.paths] == [SPLIT_PATH, CPU_PATH]
     assert [p.name for p in hybrid_layer(KT_NUM_GPU_EXPERTS="3")[0].quant_method.paths] == [CPU_PATH]
     assert [m.layer_idx for m in fresh_runtime.layers] == sorted(m.layer_idx for m in fresh_runtime.layers)
 
@@ -51,8 +46,8 @@ def test_paths_are_asked_in_order(vllm_layer_context, fresh_runtime) -> None:
 def test_a_new_path_plugs_in_by_its_place_in_the_builders(
     vllm_layer_context, fresh_runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the split path will land: a builder between GPU prefill and the CPU path
-    takes the forwards it accepts; the others still reach the CPU path."""
+    """A builder put before the CPU path takes the forwards it accepts; the others still
+    reach the CPU path."""
     taken: list[int] = []
 
     class Doubles(ForwardPath):
@@ -68,8 +63,8 @@ def test_a_new_path_plugs_in_by_its_place_in_the_builders(
             taken.append(fwd.tokens)
             return 2 * self.cpu_path.run(fwd, marks)
 
-    first, last = paths.PATH_BUILDERS
-    monkeypatch.setattr(paths, "PATH_BUILDERS", (first, Doubles, last))
+    *others, last = paths.PATH_BUILDERS
+    monkeypatch.setattr(paths, "PATH_BUILDERS", (*others, Doubles, last))
     layer, experts = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
     for tokens, factor in ((5, 2), (6, 1)):
         out, x, ids, weights = forward(layer, tokens, seed=tokens)

@@ -60,6 +60,8 @@ MISTAKES = [
     ("unknown method", {"KT_METHOD": "INT3"}, "KT_METHOD", "INT3"),
     ("negative gpu experts", {"KT_NUM_GPU_EXPERTS": "-1"}, "KT_NUM_GPU_EXPERTS", "-1"),
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
+    ("split share of one", {"KT_GPU_PREFILL_SPLIT": "1"}, "KT_GPU_PREFILL_SPLIT", "1"),
+    ("fp8 copy not a flag", {"KT_GPU_PREFILL_FP8_COPY": "2"}, "KT_GPU_PREFILL_FP8_COPY", "2"),
     ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
     ("non-integer threads", {"KT_CPUINFER": "1.5"}, "KT_CPUINFER", "1.5"),
     ("more pools than NUMA nodes", {"KT_THREADPOOL_COUNT": "2"}, "KT_THREADPOOL_COUNT", "2"),
@@ -249,7 +251,7 @@ def test_every_variable_is_documented_in_the_readme() -> None:
     """The README's Configuration table has one row per variable the code knows, and none
     it does not."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    rows = re.findall(r"^\| `(KT_[A-Z_]+)` \|", readme, flags=re.MULTILINE)
+    rows = re.findall(r"^\| `(KT_[A-Z0-9_]+)` \|", readme, flags=re.MULTILINE)
     assert sorted(rows) == sorted(variable.name for variable in VARIABLES)
 
 

@@ -15,10 +15,19 @@ vLLM's Triton kernels itself (kt-kernel's BF16 and FP8), there is no host copy: 
 written into one of two pinned host buffers per use. Unquantized experts and block-FP8 ones
 (the latter only as kt-kernel's FP8 writes them) are staged; block-FP8 shadows run vLLM's
 Triton kernel, whose layout is the checkpoint's.
+
+With KT_GPU_PREFILL_FP8_COPY=1 the host copy of unquantized experts (AMXINT4, AMXINT8 and
+BF16 CPU experts of a BF16 checkpoint) is block-FP8 instead: each checkpoint tensor is
+quantized as it loads, 128 x 128 blocks with float32 scales (the format of kt-kernel's FP8
+and of DeepSeek-V3's checkpoints), into a block-FP8 shadow run by vLLM's own FP8 MoE
+method (Triton under CUDA). Half the bytes cross PCIe and sit in RAM; the GPU computes
+those experts with FP8 weights (docs/split.md states the measured accuracy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import mmap
@@ -27,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kt_plugin.cpu_backends.base import fill_dummy_experts
+from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, fill_dummy_experts
 from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.hybrid.vllm_compat import (
+    block_fp8_method,
     can_rebuild_moe_kernel,
+    expert_map_set,
     is_block_fp8,
     parameters_swapped,
     rebuild_moe_kernel,
@@ -104,6 +115,24 @@ def layout_nbytes(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
 _PAGE = mmap.PAGESIZE
 
 
+FP8_BLOCK = 128  # rows and columns of one block of a block-FP8 copy (kt-kernel's and DeepSeek's)
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rows, cols] matrix as float8_e4m3fn and float32 scales per ``block`` x ``block``
+    (vLLM's ``weight_scale_inv``: weight ~ fp8 * scale), each block scaled to its largest
+    magnitude. Partial blocks at the edges are scaled by their own part."""
+    rows, cols = weight.shape
+    brows, bcols = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(brows * block, bcols * block, dtype=torch.float32)
+    padded[:rows, :cols] = weight.to(torch.float32)
+    blocks = padded.view(brows, block, bcols, block)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scale = (blocks.abs().amax(dim=(1, 3)) / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)
+    scaled = (blocks / scale[:, None, :, None]).clamp(-fp8_max, fp8_max).view(brows * block, bcols * block)
+    return scaled[:rows, :cols].to(torch.float8_e4m3fn), scale
+
+
 class HostExperts:
     """One layer's CPU experts for GPU prefill, in the native runtime format: a (pinned)
     host copy, or nothing of their own where the CPU backend writes its experts in that
@@ -118,10 +147,15 @@ class HostExperts:
         pin: bool,
         writer: CPUExperts | None = None,
         moe_backend: str | None = None,
+        fp8_copy: bool = False,
     ) -> None:
         """``pin``: page-lock the copy after loading (under CUDA), so copies run async;
-        ``moe_backend``: vLLM's MoE backend for the shadow (else the layer's choice)."""
+        ``moe_backend``: vLLM's MoE backend for the shadow (else the layer's choice);
+        ``fp8_copy``: keep the unquantized experts as a block-FP8 copy (module docstring)."""
         num_experts = len(cpu_expert_ids)
+        self.fp8_copy = fp8_copy
+        if fp8_copy:
+            make_native, writer = functools.partial(block_fp8_method, block=FP8_BLOCK), None
         shadow, self.native = shadow_layer(layer, num_experts, make_native, moe_backend)
         # The shadow picks its kernel for its own expert count: the writer's layout must
         # suit that one too.
@@ -173,22 +207,70 @@ class HostExperts:
         """Bytes staged onto the GPU per use."""
         return layout_nbytes(self.layout)
 
-    def write(self, views: dict[str, torch.Tensor]) -> None:
-        """The writer's experts into host ``views`` of this layout."""
+    @property
+    def num_experts(self) -> int:
+        return len(self.cpu_expert_ids)
+
+    @property
+    def rows_are_experts(self) -> bool:
+        """Whether every tensor of the runtime format has one row per expert (dim 0), so
+        that single experts can be staged (the split); vLLM's Triton and CPU layouts do."""
+        return all(shape and shape[0] == self.num_experts for shape, _ in self.layout.values())
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes staged per expert."""
+        return self.staged_nbytes // max(self.num_experts, 1)
+
+    def write(self, views: dict[str, torch.Tensor], rows: list[int] | None = None) -> None:
+        """The writer's experts (of CPU-expert ``rows``, all by default) into host ``views``
+        of this layout, one after the other."""
         assert self.writer is not None
-        self.writer.write_gpu_layout(self.cpu_expert_ids, views)
+        ids = self.cpu_expert_ids if rows is None else [self.cpu_expert_ids[r] for r in rows]
+        self.writer.write_gpu_layout(ids, views)
 
     def load(self, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, slot: int) -> None:
-        """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader."""
-        self.shadow.weight_loader(getattr(self.shadow, param_name), weight, weight_name, shard_id, slot)
+        """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader
+        (quantized into its rows of the FP8 copy, with that)."""
+        if self.fp8_copy:
+            self._load_fp8(weight, shard_id, slot)
+        else:
+            self.shadow.weight_loader(getattr(self.shadow, param_name), weight, weight_name, shard_id, slot)
         self.loaded += 1
+
+    def _load_fp8(self, weight: torch.Tensor, shard_id: str, slot: int) -> None:
+        """A gate (w1), up (w3) or down (w2) matrix of one expert, whole (one tensor-parallel
+        rank), quantized into the FP8 copy: w13 holds gate then up, each of its own blocks."""
+        q, scale = quantize_block_fp8(weight)
+        target = "w2" if shard_id == "w2" else "w13"
+        rows = getattr(self.shadow, f"{target}_weight").data[slot]
+        scales = getattr(self.shadow, f"{target}_weight_scale_inv").data[slot]
+        half = {"w1": 0, "w3": 1}.get(shard_id, 0)
+        n, b = q.shape[0], scale.shape[0]
+        if rows.shape[-1] != q.shape[1] or rows.shape[0] not in (n, 2 * n):
+            raise ValueError(f"kt-hybrid FP8 copy: {shard_id} of shape {tuple(weight.shape)} does not fit {rows.shape}")
+        rows[half * n : (half + 1) * n].copy_(q)
+        scales[half * b : (half + 1) * b].copy_(scale)
+
+    def _fill_dummy_fp8(self) -> None:
+        """load_format=dummy: random FP8 weights with scales that put them in vLLM's dummy
+        range (values do not change the kernels' speed)."""
+        for name, param in self.shadow.named_parameters(recurse=False):
+            if name.endswith("_scale_inv"):
+                param.data.fill_(DUMMY_HIGH / 448)
+            elif param.dtype == torch.float8_e4m3fn:
+                base = torch.empty(param.shape[1:], dtype=torch.float32).uniform_(-448, 448)
+                param.data[0::2] = base.to(param.dtype)
+                param.data[1::2] = (-base).to(param.dtype)
 
     def finalize(self, dummy: bool, cpu_slot_of: torch.Tensor) -> None:
         """After loading: the native post-processing, then page-locking (again after a
         reload, only what is new). ``cpu_slot_of`` (on the device) routes the layer's
         expert ids: under CUDA as the shadow's expert map, so the kernel skips the picks of
         GPU experts; vLLM's CPU kernels ignore expert maps and get zero-weight picks."""
-        if not self.loaded and dummy and self.copies:
+        if not self.loaded and dummy and self.fp8_copy:
+            self._fill_dummy_fp8()
+        elif not self.loaded and dummy and self.copies:
             for param in self.shadow.parameters(recurse=False):
                 fill_dummy_experts(param.data)  # not uniform_: ~2 s per layer of AMXINT4's host copy
         with self.device:
@@ -213,13 +295,22 @@ class HostExperts:
             self._pinned = {t.data_ptr() for t in self.tensors.values()}
 
     def apply(
-        self, staged: dict[str, torch.Tensor], x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        staged: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        slot_of: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The CPU experts' share of the layer output, computed from the staged weights
-        (swapped into the shadow for the call; its own host parameters come back after)."""
+        (swapped into the shadow for the call; its own host parameters come back after).
+        ``slot_of`` (on the device): the experts staged this time, by CPU slot, -1 for the
+        others (the split); by default every CPU expert."""
+        slot_of = self.cpu_slot_of if slot_of is None else slot_of
         if self.expert_map is None:
-            topk_ids, topk_weights = route_to_gpu_slots(topk_ids, topk_weights, self.cpu_slot_of)
-        with parameters_swapped(self.shadow, staged):
+            topk_ids, topk_weights = route_to_gpu_slots(topk_ids, topk_weights, slot_of)
+        staged_map = expert_map_set(self.shadow, slot_of) if self.expert_map is not None else contextlib.nullcontext()
+        with parameters_swapped(self.shadow, staged), staged_map:
             if self.binds_scales:
                 self._bind_kernel(staged)
             return self.native.apply(
@@ -246,7 +337,11 @@ class StagingBuffers:
     """Two device buffers shared by every layer: one is computed from while the next
     layer's weights are copied into the other (copy stream, events) under CUDA; on the
     CPU platform the copy is a plain synchronous one. Layers whose experts a CPU backend
-    writes (no host copy) are written into one of two host buffers first."""
+    writes (no host copy) are written into one of two host buffers first.
+
+    Experts are staged by row (the split stages some of a layer's CPU experts, each into
+    its own CPU-expert row): each buffer remembers which rows of its owner it holds, so a
+    prefetched part is not copied again and a whole layer is one copy per tensor."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -255,6 +350,8 @@ class StagingBuffers:
         self.slots: list[dict[str, torch.Tensor]] = []
         self.host_slots: list[dict[str, torch.Tensor]] = []  # for written layers, made on first use
         self.owner: list[HostExperts | None] = [None, None]
+        self.rows: list[set[int]] = [set(), set()]  # rows of the owner each buffer holds
+        self.rows_copied = 0  # expert rows copied in so far, for tests and the bench
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
@@ -273,63 +370,100 @@ class StagingBuffers:
         return 2 * sum(n * d.itemsize for n, d in self.numel.values())
 
     def _allocate(self) -> None:
+        # Zeros, not empty: a row no pick reaches may still be read with weight 0 by
+        # kernels that ignore expert maps (vLLM's CPU ones); it must hold no NaN.
         self.slots = [
-            {name: torch.empty(n, dtype=dtype, device=self.device) for name, (n, dtype) in self.numel.items()}
+            {name: torch.zeros(n, dtype=dtype, device=self.device) for name, (n, dtype) in self.numel.items()}
             for _ in range(2)
         ]
 
     def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
         return _shaped(self.slots[index], host.layout)
 
-    def _written(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
-        """``host``'s experts, written by its CPU backend into host buffer ``index`` once
-        the copy that last read that buffer is done."""
+    def _written(self, index: int, host: HostExperts, rows: list[int]) -> dict[str, torch.Tensor]:
+        """``host``'s experts of ``rows``, written by its CPU backend into host buffer
+        ``index`` (its first ``len(rows)`` rows) once the copy that last read that buffer
+        is done."""
         if not self.host_slots:
             flat = {name: (torch.Size([n]), dtype) for name, (n, dtype) in self.numel.items()}
             self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
         if self.cuda:
             self.ready[index].synchronize()  # the last copy out of this host buffer
-        views = _shaped(self.host_slots[index], host.layout)
-        host.write(views)
+        layout = {name: (torch.Size([len(rows), *shape[1:]]), dtype) for name, (shape, dtype) in host.layout.items()}
+        views = _shaped(self.host_slots[index], layout)
+        host.write(views, rows)
         return views
 
-    def _copy_in(self, index: int, host: HostExperts) -> None:
+    def _copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None) -> None:
+        """Copy ``host``'s experts of ``rows`` (all by default) into buffer ``index``,
+        each into its own row; rows it already holds for ``host`` are not copied again."""
         if not self.slots:
             self._allocate()
-        self.owner[index] = host
+        if self.owner[index] is not host:
+            self.owner[index] = host
+            self.rows[index] = set()
+        every = rows is None
+        wanted = range(host.num_experts) if rows is None else rows
+        missing = sorted(r for r in set(wanted) if r not in self.rows[index])
+        if not missing:
+            return
         views = self._views(index, host)
-        source = host.tensors if host.copies else self._written(index, host)
+        if host.copies:
+            source = host.tensors
+            pairs = [(r, r) for r in missing]  # (source row, buffer row)
+        else:
+            source = self._written(index, host, missing)
+            pairs = list(enumerate(missing))
+        runs = [(0, 0, host.num_experts)] if every and not self.rows[index] and host.copies else _runs(pairs)
+        self.rows[index].update(missing)
+        self.rows_copied += len(missing)
         if not self.cuda:
-            for name, tensor in source.items():
-                views[name].copy_(tensor)
+            _copy_runs(views, source, runs, non_blocking=False)
             return
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.free[index])  # the layer computing from it is done
-            for name, tensor in source.items():
-                views[name].copy_(tensor, non_blocking=True)
+            _copy_runs(views, source, runs, non_blocking=True)
             self.ready[index].record(self.stream)
 
     def _slot_of(self, host: HostExperts) -> int | None:
         return next((i for i, owner in enumerate(self.owner) if owner is host), None)
 
-    def acquire(self, host: HostExperts) -> tuple[int, dict[str, torch.Tensor]]:
-        """``host``'s weights on the device, copied now unless prefetched."""
+    def resident(self, host: HostExperts) -> set[int]:
+        """The rows of ``host`` a buffer holds or is copying in (prefetched)."""
+        index = self._slot_of(host)
+        return set(self.rows[index]) if index is not None else set()
+
+    def acquire(self, host: HostExperts, rows: list[int] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``host``'s weights (of ``rows``, by default all) on the device, copied now
+        unless prefetched."""
+        index = self.start(host, rows)
+        return index, self.wait(index, host)
+
+    def start(self, host: HostExperts, rows: list[int] | None = None) -> int:
+        """Start copying what ``acquire`` needs (the split queues GPU work before it
+        waits); returns the buffer's index."""
         index = self._slot_of(host)
         if index is None:
             index = 1 - self.last
-            self._copy_in(index, host)
+        self._copy_in(index, host, rows)
+        return index
+
+    def wait(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
+        """Work queued on the current stream from now on sees buffer ``index`` copied."""
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.ready[index])
         self.uses += 1
         self.last = index
-        return index, self._views(index, host)
+        return self._views(index, host)
 
-    def prefetch(self, host: HostExperts, busy: int) -> None:
-        """Start copying ``host`` into the buffer that slot ``busy``'s layer does not use
-        (a written layer is written first, which blocks this thread meanwhile)."""
-        if self._slot_of(host) is None:
-            self._copy_in(1 - busy, host)
+    def prefetch(self, host: HostExperts, busy: int, rows: list[int] | None = None) -> None:
+        """Start copying ``host`` (its ``rows``, by default all) into the buffer that slot
+        ``busy``'s layer does not use (a written layer is written first, which blocks this
+        thread meanwhile)."""
+        index = self._slot_of(host)
+        if index is None or index == 1 - busy:
+            self._copy_in(1 - busy, host, rows)
 
     def release(self, index: int) -> None:
         if self.cuda:
@@ -337,6 +471,29 @@ class StagingBuffers:
 
     def describe(self) -> str:
         return f"{self.nbytes / GIB:.2f} GiB of GPU staging buffers (2 x the largest layer's CPU experts)"
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source row, buffer row) pairs, ascending, as runs (source start, buffer start,
+    length) of consecutive rows: one copy per run and tensor."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def _copy_runs(
+    views: dict[str, torch.Tensor],
+    source: dict[str, torch.Tensor],
+    runs: list[tuple[int, int, int]],
+    non_blocking: bool,
+) -> None:
+    for name, tensor in source.items():
+        for src, dst, n in runs:
+            views[name][dst : dst + n].copy_(tensor[src : src + n], non_blocking=non_blocking)
 
 
 def _empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:

@@ -4,8 +4,13 @@ weights stream into (``gpu_prefill``: the host copy and the buffers).
 
 Here: whether a layer takes the path and from how many tokens (the setting, ``auto``'s
 planning verdict, the staging rule of ``settings.staging`` applied to the kernel vLLM
-chose, CUDA graphs), where the staged experts come from (a host copy, or the CPU backend
-writing its own), the host copy's lifecycle, and the forward itself.
+chose, CUDA graphs), where the staged experts come from (a host copy, in the checkpoint's
+format or block FP8 with KT_GPU_PREFILL_FP8_COPY, or the CPU backend writing its own),
+the host copy's lifecycle, and the forward itself.
+
+Where the split applies (``splits``: KT_GPU_PREFILL_SPLIT, or ``auto`` on one
+tensor-parallel rank), ``split_path.SplitPath`` takes this path's place: the same host copy
+and buffers, a part of the CPU experts per forward instead of all of them.
 """
 
 from __future__ import annotations
@@ -17,16 +22,21 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 
 from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
-from vllm_kt_plugin.hybrid.gpu_experts import BLOCK_FP8_STAGING_BACKEND, native_experts_format, runs_raw_layout
+from vllm_kt_plugin.hybrid.gpu_experts import (
+    BLOCK_FP8_STAGING_BACKEND,
+    kernel_of,
+    native_experts_format,
+    native_is_stageable,
+    runs_raw_layout,
+)
 from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
 from vllm_kt_plugin.hybrid.metrics import GPU_PREFILL_PATH
-from vllm_kt_plugin.hybrid.vllm_compat import is_block_fp8
+from vllm_kt_plugin.hybrid.vllm_compat import cpu_runs_block_fp8_moe, is_block_fp8
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.settings.catalogue import (
     BLOCK_FP8,
     GIB,
     GPU_PREFILL_AUTO_MIN_TOKENS,
-    GPU_PREFILL_AUTO_MIN_TOKENS_FP8,
     KT_GPU_LAYOUT_WRITERS,
     LOGGER_NAME,
     UNQUANTIZED,
@@ -68,6 +78,16 @@ def auto_min_tokens(plan_refusal: str | None, staging_refusal: str | None, break
     return break_even
 
 
+def splits(parts: LayerParts) -> bool:
+    """Whether the layer's forwards above the threshold take the split (``split_path``)
+    instead of the whole-layer stream: KT_GPU_PREFILL_SPLIT=<share>, or auto (the cost
+    model) under KT_GPU_PREFILL_MIN_TOKENS=auto; whole experts only, so one tensor-parallel
+    rank, which computes CPU experts."""
+    settings = parts.context.settings
+    wanted = settings.gpu_prefill_split is not None or settings.gpu_prefill_min_tokens is None
+    return wanted and parts.cpu is not None and parts.moe.tp_size == 1
+
+
 def gpu_prefill_min_tokens(parts: LayerParts) -> int:
     """KT_GPU_PREFILL_MIN_TOKENS for this layer: 0 where it cannot apply; never at or
     below a CUDA-graph batch size (captured batches replay the CPU path)."""
@@ -82,24 +102,51 @@ def gpu_prefill_min_tokens(parts: LayerParts) -> int:
         )
         return 0
     refusal = layer_staging_refusal(parts)
+    if settings.gpu_prefill_fp8_copy:
+        check_fp8_copy(parts, refusal)
+    share = settings.gpu_prefill_split
+    if share is not None and parts.moe.tp_size > 1:  # known only here: the parallel config is the layer's
+        raise KTConfigError(
+            "KT_GPU_PREFILL_SPLIT",
+            str(share),
+            f"the split stages whole experts: one tensor-parallel rank, not {parts.moe.tp_size}",
+            "auto with --tensor-parallel-size > 1",
+        )
     if threshold is None:
-        fp8 = is_block_fp8(parts.gpu.native)
-        break_even = GPU_PREFILL_AUTO_MIN_TOKENS_FP8 if fp8 else GPU_PREFILL_AUTO_MIN_TOKENS
-        threshold = auto_min_tokens(parts.context.plan.gpu_prefill_refusal, refusal, break_even)
+        # auto: the split's cost model decides each forward above the CUDA-graph batches
+        # (raised below); tensor parallelism keeps the whole layer's measured break-even.
+        least = 1 if splits(parts) else GPU_PREFILL_AUTO_MIN_TOKENS
+        threshold = auto_min_tokens(parts.context.plan.gpu_prefill_refusal, refusal, least)
         if not threshold:
             return 0
     elif refusal is not None:
         raise KTConfigError("KT_GPU_PREFILL_MIN_TOKENS", str(threshold), refusal, "0 (off) for this checkpoint")
     graphs = parts.cuda_graph_batch_sizes
     if graphs and threshold <= graphs[-1]:
-        logger.info_once(
-            "kt-hybrid: KT_GPU_PREFILL_MIN_TOKENS=%d raised to %d: batches up to %d tokens replay CUDA graphs",
-            threshold,
-            graphs[-1] + 1,
-            graphs[-1],
-        )
+        if threshold > 1:  # auto's 1 means "every forward outside the graphs"
+            logger.info_once(
+                "kt-hybrid: KT_GPU_PREFILL_MIN_TOKENS=%d raised to %d: batches up to %d tokens replay CUDA graphs",
+                threshold,
+                graphs[-1] + 1,
+                graphs[-1],
+            )
         threshold = graphs[-1] + 1
     return threshold
+
+
+def check_fp8_copy(parts: LayerParts, refusal: str | None) -> None:
+    """KT_GPU_PREFILL_FP8_COPY=1 quantizes unquantized experts, whole (one rank), for a
+    kernel that runs block FP8. A quantized checkpoint is refused at config time
+    (``serve_checks``); what needs the layer (its kernel, parallelism, device) here."""
+    why = refusal
+    if why is None and not native_is_stageable(parts.gpu.native):
+        why = f"this checkpoint's experts are already quantized ({kernel_of(parts.gpu.native)})"
+    if why is None and parts.moe.tp_size > 1:
+        why = f"it quantizes whole experts: one tensor-parallel rank, not {parts.moe.tp_size}"
+    if why is None and parts.moe.device.type == "cpu" and not cpu_runs_block_fp8_moe():
+        why = "vLLM's CPU build runs block-FP8 MoE only on AMX CPUs, and this one has no AMX"
+    if why is not None:
+        raise KTConfigError("KT_GPU_PREFILL_FP8_COPY", "1", why, "0 for this checkpoint")
 
 
 class GPUPrefillPath(ForwardPath):
@@ -124,6 +171,7 @@ class GPUPrefillPath(ForwardPath):
         parts = self.parts
         cuda = parts.moe.device.type == "cuda"
         native = parts.gpu.native
+        fp8_copy = parts.context.settings.gpu_prefill_fp8_copy
         self.host = HostExperts(
             layer,
             parts.make_shadow_native,
@@ -131,7 +179,8 @@ class GPUPrefillPath(ForwardPath):
             create_args,
             pin=cuda,
             writer=self._gpu_layout_writer(cuda, create_args["params_dtype"]),
-            moe_backend=BLOCK_FP8_STAGING_BACKEND if cuda and is_block_fp8(native) else None,
+            moe_backend=BLOCK_FP8_STAGING_BACKEND if cuda and (is_block_fp8(native) or fp8_copy) else None,
+            fp8_copy=fp8_copy,
         )
         mismatch = self.host.writer_mismatch()
         if mismatch is not None:  # e.g. biased experts, or other block scales: before any load
@@ -178,26 +227,29 @@ class GPUPrefillPath(ForwardPath):
             hosts = [h for _, h in runtime.hosts]
             memory = "pinned host" if device.type == "cuda" else "host"
             copy_gib = sum(h.host_nbytes for h in hosts) / GIB
-            source = f"the CPU experts' copy takes {copy_gib:.2f} GiB of {memory} memory ({len(hosts)} layers)"
+            fp8 = " block-FP8" if host.fp8_copy else ""
+            source = f"the CPU experts'{fp8} copy takes {copy_gib:.2f} GiB of {memory} memory ({len(hosts)} layers)"
         else:
             source = f"{settings.method} CPU experts written by {settings.backend} (no host copy)"
         logger.info_once(
-            "kt-hybrid: GPU prefill for forwards of >= %d tokens: %s, %s",
+            "kt-hybrid: GPU prefill for forwards of >= %d tokens%s: %s, %s",
             self.min_tokens,
+            self.describe(),
             source,
             self.staging.describe(),
         )
 
+    def describe(self) -> str:
+        """How the path shares a forward's CPU experts out, for the start-up log."""
+        return " (whole layer)"
+
     # --- forward -------------------------------------------------------------------------
 
     def run(self, forward: Forward, marks: StageMarks) -> torch.Tensor:
-        host, staging, gpu = self.host, self.staging, self.parts.gpu
+        host, staging = self.host, self.staging
         assert host is not None and staging is not None
-        layer, x, weights, ids = forward.layer, forward.x, forward.topk_weights, forward.topk_ids
-        if staging.cuda and gpu.count and runs_raw_layout(gpu.native):
-            out = gpu.apply_skipping_cpu_experts(layer, x, weights, ids)
-        else:
-            out = gpu.apply(layer, x, weights, ids)
+        x, weights, ids = forward.x, forward.topk_weights, forward.topk_ids
+        out = self.gpu_experts(forward)
         index, staged = staging.acquire(host)
         cpu_out = host.apply(staged, x, weights, ids)
         staging.release(index)
@@ -212,8 +264,20 @@ class GPUPrefillPath(ForwardPath):
         )
         return cpu_out if out is None else out + cpu_out
 
+    def gpu_experts(self, forward: Forward) -> torch.Tensor | None:
+        """The GPU experts' share; under CUDA on vLLM's Triton kernels the CPU experts'
+        picks are dropped by an expert map rather than weighted zero."""
+        gpu, staging = self.parts.gpu, self.staging
+        layer, x, weights, ids = forward.layer, forward.x, forward.topk_weights, forward.topk_ids
+        if staging is not None and staging.cuda and gpu.count and runs_raw_layout(gpu.native):
+            return gpu.apply_skipping_cpu_experts(layer, x, weights, ids)
+        return gpu.apply(layer, x, weights, ids)
+
 
 def build(parts: LayerParts) -> GPUPrefillPath | None:
-    """The layer's GPU-prefill path, or None where GPU prefill is off for it."""
+    """The layer's GPU-prefill path, or None where GPU prefill is off for it or the split
+    takes its place (``split_path.build``)."""
+    if splits(parts):
+        return None
     min_tokens = gpu_prefill_min_tokens(parts)
     return GPUPrefillPath(parts, min_tokens) if min_tokens else None

@@ -51,6 +51,8 @@ MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever th
 # graph replays (decode).
 LARGE_FORWARD_TOKENS = 256
 CPU_PATH, GPU_PREFILL_PATH = "CPU-experts", "GPU-prefill"
+# The split's forwards (hybrid/split_path.py): which of them staged anything, its counters say.
+SPLIT_PATH = "split"
 
 
 @dataclass
@@ -150,7 +152,7 @@ class HybridMetrics:
     def large_forward(self, layer_idx: int, tokens: int, path: str) -> None:
         """Log a prefill-sized forward once, at the first hybrid layer, with the time its
         Python ran: when the step was queued, which may be well before it runs."""
-        large = tokens >= LARGE_FORWARD_TOKENS or path == GPU_PREFILL_PATH
+        large = tokens >= LARGE_FORWARD_TOKENS or path in (GPU_PREFILL_PATH, SPLIT_PATH)
         if large and layer_idx == self.first_layer:
             logger.info(
                 "kt-hybrid: a forward of %d tokens takes the %s path (queued at %.3f s, monotonic clock)",

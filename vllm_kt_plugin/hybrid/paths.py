@@ -3,20 +3,22 @@ accepts a forward runs it (``forward.ForwardPath``).
 
 Each builder looks at the layer (``forward.LayerParts``) once, when vLLM builds it, and
 returns its path, or None where that path is off for the layer. A new path is a module
-with a ``ForwardPath`` and a builder, added here in its place: the per-forward split of a
-layer's CPU experts between the CPU and the GPU goes between GPU prefill (which takes the
-largest batches whole) and the CPU-experts path (which takes every forward left).
+with a ``ForwardPath`` and a builder, added here in its place. GPU prefill's whole-layer
+stream and the split (the per-forward split of a layer's CPU experts between the CPU and
+the GPU) exclude each other per layer (``gpu_prefill_path.splits``); the CPU-experts path
+takes every forward left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm_kt_plugin.hybrid import cpu_path, gpu_prefill_path
+from vllm_kt_plugin.hybrid import cpu_path, gpu_prefill_path, split_path
 from vllm_kt_plugin.hybrid.forward import ForwardPath, LayerParts
 
 PATH_BUILDERS: tuple[Callable[[LayerParts], ForwardPath | None], ...] = (
     gpu_prefill_path.build,  # forwards of >= KT_GPU_PREFILL_MIN_TOKENS: every expert on the GPU
+    split_path.build,  # or instead: a part of the CPU experts on the GPU, the rest on the CPU
     cpu_path.build,  # every forward: CPU experts beside the GPU experts (last: it takes all)
 )
 

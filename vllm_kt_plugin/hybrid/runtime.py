@@ -2,8 +2,9 @@
 
 ``HybridRuntime`` is the one per-process object: the layers in decoder order (deferral
 asks whether the next layer adds deferred experts; GPU prefill prefetches the next
-layer's CPU experts), GPU prefill's staging buffers, the metrics collector, the routing
-recorder behind ``vllm-kt profile`` and the log of dynamic expert swaps. vLLM builds one
+layer's CPU experts, the split the next split layer's predicted part), GPU prefill's
+staging buffers, the split's probed costs, the metrics collector, the routing recorder
+behind ``vllm-kt profile`` and the log of dynamic expert swaps. vLLM builds one
 model per worker process, so one object per process is one per model; ``runtime()``
 returns it.
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
+    from vllm_kt_plugin.hybrid.split_path import ProbedCosts, SplitPath
     from vllm_kt_plugin.planning.layer_plan import LayerPlan
     from vllm_kt_plugin.settings.variables import KTSettings
 
@@ -41,6 +43,8 @@ class HybridRuntime:
     def __init__(self) -> None:
         self.layers: list[KTHybridMoEMethod] = []  # by decoder layer index
         self.hosts: list[tuple[int, HostExperts]] = []  # GPU prefill's, by decoder layer index
+        self.split_paths: list[tuple[int, SplitPath]] = []  # by decoder layer index
+        self.split_probe: ProbedCosts | None = None  # the split's cost model, probed once per process
         self.recorder = RoutingRecorder()
         self.swap_log = SwapLog()
         self._staging: dict[torch.device, StagingBuffers] = {}
@@ -62,6 +66,19 @@ class HybridRuntime:
         prefill prefetches it while ``layer_idx`` computes."""
         later = [host for idx, host in self.hosts if idx > layer_idx]
         return later[0] if later else self.hosts[0][1]
+
+    def add_split_path(self, layer_idx: int, path: SplitPath) -> None:
+        self.split_paths = [(i, p) for i, p in self.split_paths if i != layer_idx]  # a reload: the new one
+        bisect.insort(self.split_paths, (layer_idx, path), key=lambda entry: entry[0])
+
+    def split_path_after(self, layer_idx: int) -> SplitPath | None:
+        """The split path of the next layer that has one (wrapping to the first): the
+        split prefetches its predicted part while ``layer_idx`` computes."""
+        later = [path for idx, path in self.split_paths if idx > layer_idx]
+        return later[0] if later else (self.split_paths[0][1] if self.split_paths else None)
+
+    def first_split_path(self) -> SplitPath | None:
+        return self.split_paths[0][1] if self.split_paths else None
 
     def staging(self, device: torch.device) -> StagingBuffers:
         """The two GPU-prefill buffers of ``device``, shared by its layers."""

@@ -44,6 +44,14 @@ def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSet
             "experts: the backend must write any expert back in BF16)",
             "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
         )
+    if settings.gpu_prefill_fp8_copy and checkpoint.quant_method is not None:
+        raise KTConfigError(
+            "KT_GPU_PREFILL_FP8_COPY",
+            "1",
+            f"the FP8 host copy quantizes BF16/FP16 experts, and this checkpoint's are already quantized "
+            f"({checkpoint.quant_method})",
+            "0 for this checkpoint",
+        )
     return settings, backend
 
 

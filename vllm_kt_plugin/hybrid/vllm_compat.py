@@ -229,6 +229,21 @@ def is_block_fp8(native: FusedMoEMethodBase) -> bool:
     return isinstance(native, Fp8MoEMethod) and native.block_quant
 
 
+def block_fp8_method(shadow: RoutedExperts, block: int) -> FusedMoEMethodBase:
+    """vLLM's FP8 MoE method with ``block`` x ``block`` weight blocks and dynamic activation
+    scales, as a block-FP8 checkpoint would get (the FP8 host copy's shadow)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+
+    config = Fp8Config(activation_scheme="dynamic", weight_block_size=[block, block])
+    return Fp8MoEMethod(config, shadow)
+
+
+def cpu_runs_block_fp8_moe() -> bool:
+    """Whether vLLM 0.32's CPU build can run block-FP8 MoE here: its CPUExpertsFp8 kernel
+    needs AMX tiles (asked through torch's private probe, the one vLLM's CPU build uses)."""
+    return bool(torch.cpu._is_amx_tile_supported())  # type: ignore[attr-defined]
+
+
 def fp8_backend_name(native: FusedMoEMethodBase) -> str | None:
     """The FP8 MoE kernel vLLM chose (``TRITON``, ``DEEPGEMM``, ...), else None."""
     return getattr(getattr(native, "fp8_backend", None), "name", None)

@@ -105,9 +105,10 @@ def auto_gpu_prefill_refusal(
     ram_available_bytes: int,
     kt_method: str,
     tensor_parallel_size: int = 1,
+    fp8_copy: bool = False,
 ) -> str | None:
     """Why KT_GPU_PREFILL_MIN_TOKENS=auto leaves GPU prefill off for this model and
-    host, or None where it turns it on."""
+    host, or None where it turns it on (``fp8_copy``: KT_GPU_PREFILL_FP8_COPY)."""
     if device_total_bytes is None:
         return NO_CUDA_DEVICE
     refusal = memory.staging_refusal(kt_method, tensor_parallel_size)
@@ -120,7 +121,7 @@ def auto_gpu_prefill_refusal(
             f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
             f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
         )
-    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method, tensor_parallel_size) + (
+    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method, tensor_parallel_size, fp8_copy) + (
         memory.cpu_expert_bytes(kt_method) or 0
     )
     if ram > AUTO_GPU_PREFILL_MAX_RAM_SHARE * ram_available_bytes:

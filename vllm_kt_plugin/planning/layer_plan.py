@@ -128,6 +128,7 @@ class LayerPlan:
             ram_available_bytes=_ram_available_bytes(),
             kt_method=self.settings.method or "",
             tensor_parallel_size=tp,
+            fp8_copy=self.settings.gpu_prefill_fp8_copy,
         )
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.settings.expert_placement)
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)

@@ -30,14 +30,10 @@ DEFAULT_BACKEND = "kt_kernel"
 # Python and CUDA-callback threads oversubscribe a fully used CPU (13-26x slower measured).
 RESERVED_CORES = 2
 
-# KT_GPU_PREFILL_MIN_TOKENS=auto under CUDA: the token count from which one layer's GPU
+# KT_GPU_PREFILL_MIN_TOKENS=auto where the split cannot run (tensor parallelism: the host
+# copy holds each rank's shard): the token count from which one layer's whole-layer GPU
 # prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
 GPU_PREFILL_AUTO_MIN_TOKENS = 2048
-# ... on a block-FP8 checkpoint (kt-kernel's FP8): an estimate, not yet a measured
-# break-even. The FP8 sitting's GPU path cost ~11 ms per layer whatever the size (half the
-# bytes of BF16 stream), where kt-kernel's BF16 kernel takes 20.7 ms per layer at 512
-# tokens (its FP8 kernel is untimed; docs/design.md, GPU prefill).
-GPU_PREFILL_AUTO_MIN_TOKENS_FP8 = 1024
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
 # this copy equal to it, so KT_METHOD's help can list them without importing kt-kernel).
@@ -150,6 +146,23 @@ def number(minimum: float, maximum: float | None = None, *, above_minimum: bool 
         return value
 
     return parse
+
+
+def share(raw: str) -> Any:
+    """``auto`` (AUTO), or a number strictly between 0 and 1 (a share of something)."""
+    if raw.lower() == "auto":
+        return AUTO
+    value = number(0.0, 1.0)(raw)
+    if not 0 < value < 1:
+        raise ValueError("a share of the picked CPU experts must lie strictly between 0 and 1")
+    return value
+
+
+def flag(raw: str) -> bool:
+    """0 or 1."""
+    if raw not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return raw == "1"
 
 
 def text(raw: str) -> str:
@@ -359,15 +372,36 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_MIN_TOKENS",
-        f"auto: {GPU_PREFILL_AUTO_MIN_TOKENS} under CUDA (the break-even measured on the H200, docs/design.md; "
-        f"{GPU_PREFILL_AUTO_MIN_TOKENS_FP8} on block-FP8 checkpoints, estimated) where the CPU experts can be staged "
-        "(unquantized on vLLM's Triton kernels, or block-FP8 with KT_METHOD=FP8) and the staging fits; else off",
+        "auto: under CUDA, every forward above the largest CUDA-graph batch is split by a cost model (probed at "
+        f"start-up) between the CPU and the GPU ({GPU_PREFILL_AUTO_MIN_TOKENS}, whole layer, with tensor parallelism), "
+        "where the CPU experts can be staged (unquantized on vLLM's Triton kernels, or block-FP8 with KT_METHOD=FP8) "
+        "and the staging fits; else off",
         "auto, or an integer >= 0 (0 = off)",
-        "forward passes with at least this many tokens compute every expert on the GPU, "
-        "the CPU experts' weights streamed in layer by layer",
+        "an integer N: forward passes with at least N tokens compute every expert on the GPU, the CPU experts' "
+        "weights streamed in layer by layer (docs/split.md)",
         integer(0, auto=True),
         None,  # auto (None in KTSettings): decided per model and host by planning
         "gpu_prefill_min_tokens",
+    ),
+    Variable(
+        "KT_GPU_PREFILL_SPLIT",
+        "auto (the cost model under KT_GPU_PREFILL_MIN_TOKENS=auto; the whole layer under a number)",
+        "auto, or a number strictly between 0 and 1",
+        "a share: forwards that take GPU prefill stage that share of their picked CPU experts (most-picked first) "
+        "on the GPU and leave the rest to the CPU; for tests and measurements (docs/split.md)",
+        share,
+        None,  # auto
+        "gpu_prefill_split",
+    ),
+    Variable(
+        "KT_GPU_PREFILL_FP8_COPY",
+        "0 (off) until measured on the H200 (docs/split.md)",
+        "0 or 1; 1 needs GPU prefill on and a BF16/FP16 checkpoint on one tensor-parallel rank",
+        "1: GPU prefill keeps the CPU experts' host copy in block FP8 (128 x 128 blocks, float32 scales) instead of "
+        "the checkpoint's BF16: half the RAM and half the bytes over PCIe; the GPU computes those experts in FP8",
+        flag,
+        False,
+        "gpu_prefill_fp8_copy",
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",

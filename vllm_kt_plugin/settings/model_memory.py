@@ -89,14 +89,26 @@ class ModelMemory:
     def stageable(self, kt_method: str, tensor_parallel_size: int = 1) -> bool:
         return self.staging_refusal(kt_method, tensor_parallel_size) is None
 
-    def gpu_prefill_host_bytes(self, gpu_experts_per_layer: int, kt_method: str, tensor_parallel_size: int = 1) -> int:
+    def gpu_prefill_host_bytes(
+        self, gpu_experts_per_layer: int, kt_method: str, tensor_parallel_size: int = 1, fp8_copy: bool = False
+    ) -> int:
         """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format; where kt-kernel writes them back, two pinned buffers of one layer's CPU
-        experts instead; none where they cannot be staged."""
+        format (``fp8_copy``, KT_GPU_PREFILL_FP8_COPY: in block FP8); where kt-kernel writes
+        them back, two pinned buffers of one layer's CPU experts instead; none where they
+        cannot be staged."""
         if not self.stageable(kt_method, tensor_parallel_size):
             return 0
+        cpu_experts = self.num_experts - gpu_experts_per_layer
+        if fp8_copy and not self.quantized:
+            return cpu_experts * self.num_moe_layers * self.fp8_expert_bytes
         layers = 2 if self.written_back(kt_method) else self.num_moe_layers
-        return (self.num_experts - gpu_experts_per_layer) * layers * self.expert_bytes
+        return cpu_experts * layers * self.expert_bytes
+
+    @property
+    def fp8_expert_bytes(self) -> int:
+        """One expert in block FP8 (KT_GPU_PREFILL_FP8_COPY): a byte a weight, plus a float32
+        scale per 128 x 128 block (partial blocks rounded up: an upper bound)."""
+        return self.expert_params + 4 * (-(-self.expert_params // (128 * 128)) + 3)
 
     def cpu_expert_bytes(self, kt_method: str) -> int | None:
         """RAM kt-kernel needs for the experts: it loads every expert of each layer (the

@@ -148,6 +148,8 @@ class KTSettings:
     expert_placement_seed: int = _unset("KT_EXPERT_PLACEMENT_SEED")
     metrics_interval_s: float = _unset("KT_METRICS_INTERVAL")
     gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
+    gpu_prefill_split: float | None = _unset("KT_GPU_PREFILL_SPLIT")  # None: auto; a share: forced split
+    gpu_prefill_fp8_copy: bool = _unset("KT_GPU_PREFILL_FP8_COPY")  # GPU prefill's host copy in block FP8
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -185,6 +187,12 @@ class KTSettings:
                 env["KT_DYNAMIC_GPU_EXPERTS"],
                 f"KT_GPU_PREFILL_MIN_TOKENS={prefill} is set too: GPU prefill stages a fixed set of CPU experts",
                 "0, or KT_GPU_PREFILL_MIN_TOKENS unset or 0 (auto turns GPU prefill off with dynamic experts)",
+            )
+        if values["gpu_prefill_split"] is AUTO:
+            values["gpu_prefill_split"] = None  # the cost model under auto, the whole layer under a number
+        if values["gpu_prefill_fp8_copy"] and prefill == 0:
+            raise KTConfigError(
+                "KT_GPU_PREFILL_FP8_COPY", "1", "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy"
             )
         return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
 

@@ -33,11 +33,14 @@ from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
 from vllm_kt_tools.bench.load_runs import load_run
 from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
+from vllm_kt_tools.bench.split_curve import split_curve_in_child
 from vllm_kt_tools.support.engine_lock import engine_lock
 from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
+    if args.split_curve and not args.layer_only:
+        raise SystemExit("--split-curve times layers alone: use it with --layer-only")
     if args.kernel_sweep and (args.prepare_only or args.load or args.layer_only):
         raise SystemExit(
             "--kernel-sweep times kt-kernel before a sitting's engines: not with --prepare-only, --load or --layer-only"
@@ -165,6 +168,12 @@ def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, a
     spec = next((s for s in runs if s.system == "kt-hybrid"), None)
     if spec is None:
         raise SystemExit("--layer-only needs a kt-hybrid run (--systems kt-hybrid)")
+    if args.split_curve:  # the split's per-layer curve instead (docs/split.md)
+        env = {**spec.env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
+        curve = split_curve_in_child(spec.model, env, workdir / "logs", args.timeout)
+        report["split_curve"] = {"method": spec.method, **curve}
+        save(report, args.out)
+        return report
     time_layer(report, spec.model, spec.method, spec.env, workdir, args.timeout)
     save(report, args.out)
     return report
@@ -317,6 +326,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"
     )
+    parser.add_argument(
+        "--split-curve",
+        action="store_true",
+        help="with --layer-only: per-layer time of the CPU path, the whole-layer stream, the split and the split with "
+        "the FP8 host copy, 128 to 16,384 tokens (docs/split.md), instead of the layer benchmark",
+    )
     parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
     parser.add_argument("--load-output-len", type=int, default=16, help="--load: new tokens per request")
 
@@ -325,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_sitting(args)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     if args.layer_only:
-        return 0 if "error" not in report["layer_benchmark"] else 1
+        return 0 if "error" not in report["split_curve" if args.split_curve else "layer_benchmark"] else 1
     if args.prepare_only:
         return 0
     runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own

@@ -176,9 +176,11 @@ def check_ram(
     model_config: Mapping[str, Any] | None,
     available: int | None,
     gpu_prefill_gpu_experts: int | None = None,
+    fp8_copy: bool = False,
 ) -> Diagnostic:
     """kt-kernel's experts, plus GPU prefill's host copy of the CPU experts when it is on
-    (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off)."""
+    (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off; ``fp8_copy``:
+    KT_GPU_PREFILL_FP8_COPY, the copy in block FP8)."""
     if model_config is None:
         return Diagnostic("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
     if method is None or available is None:
@@ -191,9 +193,11 @@ def check_ram(
     if need is None:
         return Diagnostic("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
-    if gpu_prefill_gpu_experts is not None and (host := memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts, method)):
+    host = memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts or 0, method, fp8_copy=fp8_copy)
+    if gpu_prefill_gpu_experts is not None and host:
         need += host
-        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
+        copy = ", a block-FP8 copy" if fp8_copy and not memory.quantized else ""
+        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill{copy} (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
     sizes += f", MemAvailable is {available / GIB:.1f} GB"
     if need > available:
         return Diagnostic("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
@@ -267,7 +271,13 @@ def run_checks(
         check_numa(settings.threadpool_count, system.numa_nodes, settings.cpuinfer_threads),
         *check_versions(system.versions, settings.backend),
         *diagnostics,
-        check_ram(settings.method, model_config, system.mem_available_bytes, _gpu_prefill_gpu_experts(settings)),
+        check_ram(
+            settings.method,
+            model_config,
+            system.mem_available_bytes,
+            _gpu_prefill_gpu_experts(settings),
+            settings.gpu_prefill_fp8_copy,
+        ),
     ]
 
 

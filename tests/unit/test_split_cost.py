@@ -1,0 +1,177 @@
+"""The split's cost model (pure): which picked CPU experts a forward stages on the GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_kt_plugin.hybrid.split_cost import (
+    SplitCosts,
+    balanced_count,
+    fit_costs,
+    layer_time,
+    order_for_staging,
+    plan,
+    share_plan,
+    smallest_worth_staging,
+)
+
+# Shaped like the committed H200 layer timeline of Qwen3-30B-A3B (AMXINT4, 95 CPU experts of
+# 128, top-8): the whole layer's copy 16.2 ms -> 0.17 ms an expert; the CPU path 10.9 ms at
+# 1,024 tokens and 20.1 ms at 2,048 (~5.8K CPU picks at 1,024) -> ~1.6 us a pick, ~15 us an
+# expert. Only the shape matters here; the engine probes its own.
+H200_LIKE = SplitCosts(
+    copy_s_per_expert=16.2e-3 / 95,
+    cpu_s_per_expert=15e-6,
+    cpu_s_per_pick=1.6e-6,
+    gpu_s_per_expert=5e-6,
+    gpu_s_per_pick=0.01e-6,
+    overhead_s=100e-6,  # the routing read-back and launches
+)
+
+
+def uniform(tokens: int, experts: int = 95, top_k: int = 8, total: int = 128) -> list[int]:
+    return [round(tokens * top_k / total)] * experts
+
+
+def test_order_puts_resident_then_most_picked_first() -> None:
+    counts = [3, 0, 9, 9, 1]
+    assert order_for_staging(counts) == [2, 3, 0, 4]  # unpicked 1 left out; ties by slot
+    assert order_for_staging(counts, resident={4, 1}) == [4, 2, 3, 0]
+
+
+def test_plan_is_the_best_prefix_and_beats_both_pure_paths() -> None:
+    counts = [40 + 3 * s for s in range(95)]
+    chosen = plan(H200_LIKE, counts)
+    whole = layer_time(H200_LIKE, counts, [s for s, c in enumerate(counts) if c], ())
+    assert chosen.is_split, chosen
+    assert chosen.predicted_s < min(chosen.cpu_only_s, whole)
+    assert chosen.predicted_s == pytest.approx(layer_time(H200_LIKE, counts, chosen.staged, ()))
+    order = order_for_staging(counts)
+    for k in range(len(order) + 1):  # no other prefix is faster
+        assert layer_time(H200_LIKE, counts, order[:k], ()) >= chosen.predicted_s - 1e-12
+    assert list(chosen.staged) == order[: len(chosen.staged)]  # most-picked first
+
+
+def test_small_forwards_stage_nothing_large_ones_stage_almost_everything() -> None:
+    assert plan(H200_LIKE, [1] * 8 + [0] * 87).staged == ()  # one token: its 8 experts stay on the CPU
+    assert len(plan(H200_LIKE, uniform(64)).staged) < 0.2 * 95
+    large = plan(H200_LIKE, uniform(16384))
+    assert len(large.staged) >= 0.9 * large.picked
+
+
+def test_staged_share_grows_with_the_forward() -> None:
+    shares = [len(plan(H200_LIKE, uniform(n)).staged) for n in (256, 1024, 2048, 8192)]
+    assert shares == sorted(shares) and shares[-1] > shares[0]
+
+
+def test_resident_experts_cost_no_copy_and_come_first() -> None:
+    counts = uniform(1024)
+    cold = plan(H200_LIKE, counts)
+    warm = plan(H200_LIKE, counts, resident=set(range(30)))
+    assert set(range(30)) <= set(warm.staged) and warm.copied == len(warm.staged) - 30
+    assert warm.predicted_s < cold.predicted_s
+
+
+def test_overhead_keeps_marginal_splits_on_the_cpu() -> None:
+    counts = uniform(512)
+    assert plan(H200_LIKE, counts).staged
+    costly = SplitCosts(**{**vars(H200_LIKE), "overhead_s": 1.0})
+    assert plan(costly, counts).staged == ()
+
+
+def test_share_plan_always_splits_when_it_can() -> None:
+    assert len(share_plan([5, 4, 3, 2], 0.5).staged) == 2
+    assert share_plan([5, 4, 3, 2], 0.01).staged == (0,)  # at least one
+    assert share_plan([5, 4, 3, 2], 0.99).staged == (0, 1, 2)  # one left to the CPU
+    assert share_plan([0, 7, 0], 0.5).staged == (1,)  # one picked: nothing to split
+    assert share_plan([1, 1, 1, 1], 0.5, resident={3}).staged == (3, 0)
+
+
+def test_balanced_count_is_the_plan_size_without_residents() -> None:
+    counts = uniform(2048)
+    assert balanced_count(H200_LIKE, counts) == len(plan(H200_LIKE, counts).staged)
+
+
+def test_smallest_worth_staging_is_where_plan_starts_staging() -> None:
+    costs = SplitCosts(**{**vars(H200_LIKE), "overhead_s": 2e-3})
+    n = smallest_worth_staging(costs, 95, 128, 8, 16384)
+    assert 1 < n <= 16384
+    mean = lambda t: [t * 8 / 128] * 95  # noqa: E731
+    assert plan(costs, mean(n)).staged and not plan(costs, mean(n - 1)).staged
+    never = SplitCosts(**{**vars(H200_LIKE), "copy_s_per_expert": 1.0})
+    assert smallest_worth_staging(never, 95, 128, 8, 4096) == 4097
+
+
+def test_fit_costs_tells_fixed_expert_and_pick_apart() -> None:
+    truth = (300e-6, 15e-6, 1.6e-6)
+
+    def seconds(experts: int, picks: int) -> float:
+        return truth[0] + experts * truth[1] + picks * truth[2]
+
+    points = [(95, 96, seconds(95, 96)), (95, 768, seconds(95, 768)), (23, 96, seconds(23, 96))]
+    assert fit_costs(points) == pytest.approx(truth)
+    assert fit_costs([(4, 8, 1.0), (4, 16, 0.5), (2, 8, 1.0)])[2] == 0.0  # a falling probe: no negative cost
+    with pytest.raises(ValueError, match="tell fixed"):
+        fit_costs([(4, 8, 1.0), (4, 16, 2.0)])  # one expert count: per-expert and fixed inseparable
+
+
+def test_fixed_costs_favour_one_side() -> None:
+    """A forward's fixed CPU cost is saved only by staging every picked expert; a fixed GPU
+    cost is paid by staging any."""
+    counts = uniform(2048)
+    base = plan(H200_LIKE, counts)
+    cpu_fixed = plan(SplitCosts(**{**vars(H200_LIKE), "cpu_s_fixed": 1.0}), counts)
+    assert len(cpu_fixed.staged) == cpu_fixed.picked  # everything: no CPU forward at all
+    gpu_fixed = plan(SplitCosts(**{**vars(H200_LIKE), "gpu_s_fixed": 1.0}), counts)
+    assert gpu_fixed.staged == () and base.staged
+
+
+def test_costs_refuse_negative_and_nan() -> None:
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        SplitCosts(-1.0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        SplitCosts(math.nan, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KT_GPU_PREFILL_SPLIT": "0"}, "KT_GPU_PREFILL_SPLIT='0'"),
+        ({"KT_GPU_PREFILL_SPLIT": "1"}, "strictly between 0 and 1"),
+        ({"KT_GPU_PREFILL_SPLIT": "half"}, "not a number"),
+        ({"KT_GPU_PREFILL_FP8_COPY": "2"}, "must be 0 or 1"),
+        ({"KT_GPU_PREFILL_FP8_COPY": "1", "KT_GPU_PREFILL_MIN_TOKENS": "0"}, "turns GPU prefill off"),
+    ],
+)
+def test_split_settings_are_checked_at_config_time(env: dict[str, str], message: str) -> None:
+    from vllm_kt_plugin.settings.errors import KTConfigError
+    from vllm_kt_plugin.settings.variables import KTSettings
+
+    with pytest.raises(KTConfigError, match=message):
+        KTSettings.from_env(env, cores=4, numa_nodes=1)
+
+
+def test_split_settings_parse() -> None:
+    from vllm_kt_plugin.settings.variables import KTSettings
+
+    default = KTSettings.from_env({}, cores=4, numa_nodes=1)
+    assert default.gpu_prefill_split is None and not default.gpu_prefill_fp8_copy
+    given = KTSettings.from_env({"KT_GPU_PREFILL_SPLIT": "0.25", "KT_GPU_PREFILL_FP8_COPY": "1"}, cores=4, numa_nodes=1)
+    assert given.gpu_prefill_split == 0.25 and given.gpu_prefill_fp8_copy
+    assert KTSettings.from_env({"KT_GPU_PREFILL_SPLIT": "auto"}, cores=4, numa_nodes=1).gpu_prefill_split is None
+
+
+def test_a_written_layer_pays_its_write_on_both_sides() -> None:
+    """Without a host copy kt-kernel's threads write the staged experts before they compute
+    the rest: the write delays both sides, so fewer experts are worth staging."""
+    counts = uniform(2048)
+    written = SplitCosts(**{**vars(H200_LIKE), "write_s_per_expert": 100e-6})
+    chosen = plan(written, counts)
+    assert len(chosen.staged) < len(plan(H200_LIKE, counts).staged)
+    k = len(chosen.staged)
+    assert chosen.predicted_s == pytest.approx(layer_time(written, counts, chosen.staged, ()))
+    assert layer_time(written, counts, chosen.staged, ()) > layer_time(H200_LIKE, counts, chosen.staged, ()) + 0.99 * (
+        k * 100e-6
+    )

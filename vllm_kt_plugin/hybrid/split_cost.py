@@ -1,0 +1,194 @@
+"""The split's cost model: which of a layer's picked CPU experts to stage on the GPU in
+one forward (pure: no torch, no vLLM).
+
+A layer's CPU experts can go two ways in a forward. The CPU computes them in about
+``cpu_s_fixed`` (a forward's submit and sync) plus ``cpu_s_per_expert`` for each expert
+(reading its weights once) plus ``cpu_s_per_pick`` per token routed to one. The GPU
+computes them far faster once their weights are there (``gpu_s_*`` likewise), but those
+must first cross PCIe: ``copy_s_per_expert`` (bytes over the host-to-GPU rate), nothing
+for an expert already resident (prefetched while the previous layer ran). Both sides run
+at once, the CPU from kt-kernel's submit, the GPU's copies on the copy stream, so a layer
+takes about
+
+    max(copy(staged) + gpu(staged), cpu(rest)) + overhead (when anything is staged)
+
+Adding one expert to the staged set costs the same copy whichever it is and saves more
+CPU time the more tokens picked it, and resident experts cost no copy at all; so the
+best staged set is a prefix of "resident first, then most-picked first", and ``plan``
+scans every prefix (a few hundred at most). Staging nothing is the CPU path; staging
+every picked expert is the whole-layer stream (copying only what this forward picked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SplitCosts:
+    """Per-host constants of one layer shape and method, in seconds (``probe`` measures
+    them at start-up; see ``hybrid.split_path``)."""
+
+    copy_s_per_expert: float  # one CPU expert's staged bytes over the host-to-GPU rate
+    cpu_s_per_expert: float  # the CPU's fixed cost of an expert it computes (weight read)
+    cpu_s_per_pick: float  # the CPU's cost of one token routed to one of its experts
+    gpu_s_per_expert: float  # the GPU's fixed cost of a staged expert
+    gpu_s_per_pick: float  # the GPU's cost of one token routed to a staged expert
+    cpu_s_fixed: float = 0.0  # of a forward that leaves any expert to the CPU (submit, sync)
+    gpu_s_fixed: float = 0.0  # of a forward that stages any expert (the shadow's launches)
+    overhead_s: float = 0.0  # of a forward that stages anything (routing read-back, launches)
+    # Layers without a host copy (kt-kernel's BF16 and FP8 write their experts out): the
+    # write runs on kt-kernel's threads, so it delays both the copy and the CPU's own work.
+    write_s_per_expert: float = 0.0
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in vars(self).items() if not v >= 0}  # also refuses NaN
+        if bad:
+            raise ValueError(f"split costs must be finite and >= 0: {bad}")
+
+    def describe(self) -> str:
+        us = 1e6
+        return (
+            f"copy {self.copy_s_per_expert * us:.0f} us/expert; CPU {self.cpu_s_fixed * us:.0f} us + "
+            f"{self.cpu_s_per_expert * us:.1f} us/expert + {self.cpu_s_per_pick * us:.2f} us/pick; GPU "
+            f"{self.gpu_s_fixed * us:.0f} us + {self.gpu_s_per_expert * us:.1f} us/expert + "
+            f"{self.gpu_s_per_pick * us:.3f} us/pick; overhead {self.overhead_s * us:.0f} us"
+            + (
+                f"; written by the CPU backend {self.write_s_per_expert * us:.0f} us/expert"
+                if self.write_s_per_expert
+                else ""
+            )
+        )
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What one forward of one layer does: ``staged`` (CPU-expert slots, the order they
+    were chosen in) go to the GPU, the other picked ones to the CPU."""
+
+    staged: tuple[int, ...]
+    picked: int  # CPU experts this forward picked at all
+    copied: int  # of the staged ones, those not resident: copied now
+    predicted_s: float  # the model's layer time
+    cpu_only_s: float  # the model's time of the CPU path (nothing staged)
+
+    @property
+    def is_split(self) -> bool:
+        return 0 < len(self.staged) < self.picked
+
+
+def order_for_staging(counts: Sequence[int], resident: Collection[int] = ()) -> list[int]:
+    """Picked slots, resident ones first, each group most-picked first (ties: lower slot)."""
+    picked = [s for s, c in enumerate(counts) if c > 0]
+    return sorted(picked, key=lambda s: (s not in resident, -counts[s], s))
+
+
+def cpu_time(costs: SplitCosts, experts: int, picks: float) -> float:
+    """The CPU's time for ``experts`` experts with ``picks`` tokens routed to them."""
+    return costs.cpu_s_fixed + experts * costs.cpu_s_per_expert + picks * costs.cpu_s_per_pick if experts else 0.0
+
+
+def gpu_time(costs: SplitCosts, experts: int, picks: float) -> float:
+    """The GPU's time for ``experts`` staged experts (their copies not counted)."""
+    return costs.gpu_s_fixed + experts * costs.gpu_s_per_expert + picks * costs.gpu_s_per_pick if experts else 0.0
+
+
+def _time(costs: SplitCosts, copied: int, gpu: float, cpu: float) -> float:
+    """The layer's time with ``copied`` experts copied in, the GPU's and the CPU's work."""
+    if not gpu:
+        return cpu
+    write = copied * costs.write_s_per_expert
+    return max(write + copied * costs.copy_s_per_expert + gpu, write + cpu) + costs.overhead_s
+
+
+def layer_time(costs: SplitCosts, counts: Sequence[int], staged: Sequence[int], resident: Collection[int]) -> float:
+    """The model's time of one layer's CPU experts with ``staged`` on the GPU."""
+    on_gpu = set(staged)
+    rest = [c for s, c in enumerate(counts) if c > 0 and s not in on_gpu]
+    copied = sum(1 for s in on_gpu if s not in resident)
+    gpu = gpu_time(costs, len(on_gpu), sum(counts[s] for s in on_gpu))
+    return _time(costs, copied, gpu, cpu_time(costs, len(rest), sum(rest)))
+
+
+def plan(costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = ()) -> SplitPlan:
+    """The staged set with the least modelled layer time among the prefixes of
+    ``order_for_staging`` (ties: fewer staged). ``counts``: tokens routed to each CPU
+    expert (by slot) in this forward; ``resident``: slots already on the GPU."""
+    order = order_for_staging(counts, resident)
+    total_picks = sum(counts[s] for s in order)
+    cpu_only = cpu_time(costs, len(order), total_picks)
+    best_k, best_t = 0, cpu_only
+    copied, staged_picks = 0, 0.0
+    for k, slot in enumerate(order, start=1):  # layer_time of order[:k], incrementally
+        copied += slot not in resident
+        staged_picks += counts[slot]
+        gpu = gpu_time(costs, k, staged_picks)
+        t = _time(costs, copied, gpu, cpu_time(costs, len(order) - k, total_picks - staged_picks))
+        if t < best_t:
+            best_k, best_t = k, t
+    staged = tuple(order[:best_k])
+    copied = sum(1 for s in staged if s not in resident)
+    return SplitPlan(staged, len(order), copied, best_t, cpu_only)
+
+
+def share_plan(counts: Sequence[int], share: float, resident: Collection[int] = ()) -> SplitPlan:
+    """KT_GPU_PREFILL_SPLIT=<share>: stage that share of the picked CPU experts (rounded,
+    resident and most-picked first), at least one and, where two or more were picked, at
+    least one left to the CPU: a real split whenever one is possible (tests, measurements)."""
+    order = order_for_staging(counts, resident)
+    k = max(round(share * len(order)), 1) if order else 0
+    if len(order) >= 2:
+        k = min(k, len(order) - 1)
+    staged = tuple(order[:k])
+    return SplitPlan(staged, len(order), sum(1 for s in staged if s not in resident), float("nan"), float("nan"))
+
+
+def fit_costs(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Least-squares ``seconds = fixed + per_expert * experts + per_pick * picks`` through
+    ``points`` of (experts, picks, seconds), which must tell the three apart (at least two
+    expert counts and two pick counts); each clamped at 0: a probe's noise must not make
+    a cost negative."""
+    rows = [(1.0, float(e), float(p)) for e, p, _ in points]
+    # The normal equations (A^T A) c = A^T y, solved by elimination with partial pivoting.
+    ys = [y for *_, y in points]
+    m = [
+        [sum(r[i] * r[j] for r in rows) for j in range(3)] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
+        for i in range(3)
+    ]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for row in m for v in row[:3])):
+            raise ValueError(f"fit_costs needs points that tell fixed, per-expert and per-pick apart: {points}")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+    fixed, per_expert, per_pick = (max(m[i][3] / m[i][i], 0.0) for i in range(3))
+    return fixed, per_expert, per_pick
+
+
+def balanced_count(costs: SplitCosts, counts: Sequence[int]) -> int:
+    """How many experts the plan stages with nothing resident: the size of the part worth
+    prefetching for the next layer (which has the same tokens)."""
+    return len(plan(costs, counts).staged)
+
+
+def smallest_worth_staging(costs: SplitCosts, num_cpu_experts: int, num_experts: int, top_k: int, limit: int) -> int:
+    """The smallest forward (tokens, up to ``limit``) in which ``plan`` stages anything
+    when its picks spread evenly over the experts; ``limit + 1`` if none. Smaller forwards
+    skip the split's routing read-back: nothing would be staged in them unless a few
+    experts took most of their tokens."""
+
+    def stages(tokens: int) -> bool:
+        mean = tokens * top_k / num_experts
+        return bool(plan(costs, [mean] * num_cpu_experts).staged)
+
+    if num_cpu_experts == 0 or not stages(limit):
+        return limit + 1
+    low, high = 0, limit  # stages(high), not stages(low)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if stages(mid) else (mid, high)
+    return high

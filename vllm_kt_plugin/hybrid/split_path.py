@@ -1,0 +1,410 @@
+"""The split path: in a mid-size forward, some of a layer's CPU experts are computed on
+the GPU (staged, expert by expert) while the CPU computes the rest.
+
+Per forward, after routing: count the tokens each CPU expert got (one small device-to-host
+read), let the cost model (``split_cost``) or a fixed share choose the staged experts,
+most-picked first, then
+
+    start copying the staged experts' rows on the copy stream -> submit the rest to the
+    CPU backend (the staged ones' ids are -1, which kt-kernel skips) -> native GPU experts
+    -> wait for the copies -> staged experts with the shadow method (an expert map sends
+    every other expert to -1, which vLLM's Triton kernels drop) -> prefetch the next
+    layer's predicted part -> sync the CPU and add the three.
+
+So a layer takes about max(copy(part) + GPU(part), CPU(rest)).
+
+**Why after routing, plus a predicted prefetch.** The staged set is chosen from this
+forward's own counts: which experts are hot changes from batch to batch, and staging a
+cold expert saves the CPU nothing. The copy of what is chosen then overlaps the CPU's
+work on the rest. On top, while a layer computes, the next layer's *predicted* part
+streams into the other staging buffer, as the whole-layer path does today: the experts
+that layer picked most in its previous split forward, as many as the model stages with
+nothing resident (``balanced_count``, from this forward's counts: the next layer sees the
+same tokens). At the next layer, prefetched experts cost no copy and the model takes them
+first; a wrong guess costs only copy-stream time.
+
+**Constants: a start-up probe, logged.** ``probe`` times, on the first layer that takes
+this path (after every layer reserved its staging size): a whole layer's host-to-GPU copy,
+the CPU backend at two token counts spread over all CPU experts, the shadow method at the
+same two, and the routing read-back. It takes well under a second, and it measures this
+host as it runs now: kt-kernel's speed depends on the thread count, the other load and
+the CPU's memory channels, and a weight cache can move between hosts. Other layers scale
+the per-expert numbers by their expert bytes.
+
+``SplitPath`` is a ``gpu_prefill_path.GPUPrefillPath`` (the same host copy, buffers and
+weight lifecycle) that stages a part of the CPU experts per forward; it takes the place of
+the whole-layer stream where ``gpu_prefill_path.splits`` says so (``paths.PATH_BUILDERS``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from vllm.logger import init_logger
+
+from vllm_kt_plugin.hybrid.forward import Forward, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath, gpu_prefill_min_tokens, splits
+from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
+from vllm_kt_plugin.hybrid.split_cost import (
+    SplitCosts,
+    SplitPlan,
+    balanced_count,
+    fit_costs,
+    plan,
+    share_plan,
+    smallest_worth_staging,
+)
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
+
+logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
+
+SPLIT_RAN = "kt-hybrid: split ran"  # the log line's start, for tests
+
+
+@dataclass
+class ProbedCosts:
+    """The probe's measurement, per byte of an expert, so that layers of another shape scale."""
+
+    costs: SplitCosts
+    expert_nbytes: int
+
+    def for_host(self, host: HostExperts) -> SplitCosts:
+        scale = host.expert_nbytes / self.expert_nbytes
+        c = self.costs
+        return SplitCosts(
+            copy_s_per_expert=c.copy_s_per_expert * scale,
+            cpu_s_per_expert=c.cpu_s_per_expert * scale,
+            cpu_s_per_pick=c.cpu_s_per_pick * scale,
+            gpu_s_per_expert=c.gpu_s_per_expert * scale,
+            gpu_s_per_pick=c.gpu_s_per_pick * scale,
+            cpu_s_fixed=c.cpu_s_fixed,
+            gpu_s_fixed=c.gpu_s_fixed,
+            overhead_s=c.overhead_s,
+            write_s_per_expert=c.write_s_per_expert * scale if not host.copies else 0.0,
+        )
+
+
+class SplitPath(GPUPrefillPath):
+    """One layer's split path. ``share`` (KT_GPU_PREFILL_SPLIT=<share>): stage that share
+    of the picked CPU experts; None: the cost model, probed on the first such forward."""
+
+    name = SPLIT_PATH
+
+    def __init__(self, parts: LayerParts, min_tokens: int, cpu: CPUExperts) -> None:
+        super().__init__(parts, min_tokens)
+        settings = parts.context.settings
+        self.cpu = cpu
+        self.share = settings.gpu_prefill_split
+        self.layer_idx = parts.layer_idx
+        self.layer_name = parts.layer_name
+        self.hidden_size = parts.moe.hidden_dim
+        self.defers = settings.max_deferred_experts_per_token > 0
+        self.costs: SplitCosts | None = None
+        self.plan_min_tokens = 0  # with the cost model: smaller forwards are not read back
+        self.cpu_expert_ids = torch.tensor(parts.placement.cpu_expert_ids(), dtype=torch.long)
+        self._cpu_ids_dev: torch.Tensor | None = None
+        self.last_counts: list[int] | None = None
+        # For tests, the bench and the log: forwards planned, experts staged / picked.
+        self.forwards = 0
+        self.staged_experts = 0
+        self.picked_experts = 0
+        self.splits = 0  # forwards with 0 < staged < picked
+
+    @property
+    def by_expert(self) -> bool:
+        """Whole experts by row (vLLM's Triton and CPU layouts): any part can be staged;
+        otherwise all or nothing."""
+        return self.host is not None and self.host.rows_are_experts
+
+    def after_loading(self, layer: RoutedExperts) -> None:
+        super().after_loading(layer)
+        self.parts.context.runtime.add_split_path(self.layer_idx, self)
+
+    def attach(self, host: HostExperts, staging: StagingBuffers) -> None:
+        """Use ``host`` and ``staging`` (another path's, loaded: the probe's test)."""
+        self.host, self.staging = host, staging
+
+    # --- planning ------------------------------------------------------------------------
+
+    def plan(self, counts: list[int], resident: set[int]) -> SplitPlan:
+        if self.share is not None:
+            chosen = share_plan(counts, self.share, resident)
+        else:
+            assert self.costs is not None, "probed on the first forward"
+            chosen = plan(self.costs, counts, resident)
+        if not self.by_expert and 0 < len(chosen.staged) < chosen.picked:
+            every = tuple(s for s, c in enumerate(counts) if c > 0)
+            whole = SplitPlan(every, chosen.picked, len(every), chosen.predicted_s, chosen.cpu_only_s)
+            chosen = whole if len(chosen.staged) * 2 >= chosen.picked else SplitPlan((), chosen.picked, 0, 0.0, 0.0)
+        return chosen
+
+    def _probed_costs(self, dtype: torch.dtype) -> SplitCosts:
+        """One probe per process (the runtime keeps it), scaled to this layer."""
+        runtime = self.parts.context.runtime
+        if runtime.split_probe is None:
+            runtime.split_probe = probe(self, dtype)
+        assert self.host is not None
+        return runtime.split_probe.for_host(self.host)
+
+    def predict(self, count: int) -> list[int]:
+        """The ``count`` CPU-expert rows this layer picked most in its last forward here."""
+        if self.last_counts is None or count <= 0:
+            return []
+        order = sorted(range(len(self.last_counts)), key=lambda s: (-self.last_counts[s], s))
+        return sorted(s for s in order[:count] if self.last_counts[s] > 0)
+
+    def describe(self) -> str:
+        """How the path shares a forward's CPU experts out, for the start-up log."""
+        if self.share is not None:
+            return f", {self.share:.0%} of each forward's picked CPU experts staged on the GPU (KT_GPU_PREFILL_SPLIT)"
+        return ", split between the CPU and the GPU by the cost model (probed on the first such forward)"
+
+    def _next(self) -> SplitPath | None:
+        path = self.parts.context.runtime.split_path_after(self.layer_idx)
+        return path if path is not self else None
+
+    # --- forward -------------------------------------------------------------------------
+
+    def counts(self, topk_ids: torch.Tensor) -> list[int]:
+        """Tokens routed to each CPU expert (by slot): the forward's one host sync. Ids of
+        -1 (padding) are not counted."""
+        assert self.host is not None
+        if self._cpu_ids_dev is None or self._cpu_ids_dev.device != topk_ids.device:
+            self._cpu_ids_dev = self.cpu_expert_ids.to(topk_ids.device)
+        num_experts = self.host.cpu_slot_of.numel()
+        every = torch.bincount(topk_ids.flatten().long() + 1, minlength=num_experts + 1)[1:]
+        return every[self._cpu_ids_dev].tolist()
+
+    def run(self, forward: Forward, marks: StageMarks) -> torch.Tensor:
+        """The layer's routed-expert output (the module docstring's order)."""
+        host, staging = self.host, self.staging
+        assert host is not None and staging is not None
+        x, topk_weights, topk_ids = forward.x, forward.topk_weights, forward.topk_ids
+        if self.share is None and self.costs is None:
+            self.costs = self._probed_costs(x.dtype)
+            spec = self.cpu.spec
+            self.plan_min_tokens = smallest_worth_staging(
+                self.costs, host.num_experts, spec.num_experts, spec.top_k, spec.chunked_prefill_size
+            )
+            logger.info("kt-hybrid: the split stages experts in forwards from about %d tokens on", self.plan_min_tokens)
+        counts: list[int] = []
+        chosen = None
+        if x.shape[0] >= self.plan_min_tokens:
+            counts = self.counts(topk_ids)
+            chosen = self.plan(counts, staging.resident(host))
+            self._count(chosen, x.shape[0])
+        staged = sorted(chosen.staged) if chosen is not None else []
+        # With deferral (KT_MAX_DEFERRED_EXPERTS_PER_TOKEN) the previous layer's deferred
+        # experts are added by this layer's sync: the CPU backend runs even with nothing left.
+        on_cpu = chosen is None or chosen.picked > len(staged) or self.defers
+
+        x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
+        slot_of = None
+        index = None
+        if staged:
+            rows = staged if self.by_expert and len(staged) < host.num_experts else None
+            index = staging.start(host, rows)  # the copies first: they overlap everything below
+            mask = torch.zeros(host.cpu_slot_of.numel(), dtype=torch.bool)
+            mask[self.cpu_expert_ids[staged]] = True
+            mask = mask.to(topk_ids.device)
+            slot_of = torch.where(mask, host.cpu_slot_of, -1)
+            cpu_ids = topk_ids.masked_fill(mask[topk_ids.long()], -1)  # kt-kernel skips -1
+        else:
+            cpu_ids = topk_ids
+        if on_cpu:
+            self.cpu.submit(x_cpu, cpu_ids, topk_weights)
+        out = self.gpu_experts(forward)
+        if index is not None:
+            views = staging.wait(index, host)
+            staged_out = host.apply(views, x, topk_weights, topk_ids, slot_of)
+            staging.release(index)
+            out = staged_out if out is None else out + staged_out
+        if chosen is not None:
+            self._prefetch_next(counts, chosen, index)
+            self.last_counts = counts
+        if on_cpu:
+            cpu_out = self.cpu.sync(x_cpu).to(x.dtype)
+            if cpu_out.shape[-1] != x.shape[-1]:
+                cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
+            out = cpu_out.clone() if out is None else out + cpu_out
+        return out if out is not None else torch.zeros_like(x)
+
+    def _prefetch_next(self, counts: list[int], chosen: SplitPlan, index: int | None) -> None:
+        """The next layer's predicted part into the other buffer, while this one computes."""
+        following = self._next()
+        if following is None or following.host is None or not following.host.copies:
+            # A layer without a host copy is written by kt-kernel's threads, which are busy
+            # with this layer's CPU experts: prefetching it would hold this thread until
+            # they are done. Its part is written on demand.
+            return
+        if self.share is not None:
+            size = len(chosen.staged)
+        else:
+            assert self.costs is not None
+            size = balanced_count(self.costs, counts)
+        rows = following.predict(size) if following.by_expert else (None if size else [])
+        if rows == []:  # nothing predicted (None: the whole layer)
+            return
+        assert self.staging is not None
+        busy = index if index is not None else self.staging.last
+        self.staging.prefetch(following.host, busy=busy, rows=rows)
+
+    def _count(self, chosen: SplitPlan, tokens: int) -> None:
+        self.forwards += 1
+        self.staged_experts += len(chosen.staged)
+        self.picked_experts += chosen.picked
+        if chosen.is_split:
+            self.splits += 1
+        if self.forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+            logger.info(
+                "%s: %s staged %d of the %d CPU experts a forward of %d tokens picked (%d copied now, the rest on "
+                "the CPU)%s",
+                SPLIT_RAN,
+                self.layer_name,
+                len(chosen.staged),
+                chosen.picked,
+                tokens,
+                chosen.copied,
+                "" if self.share is None else f"; KT_GPU_PREFILL_SPLIT={self.share}",
+            )
+
+
+# --- the probe -----------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs after one warm-up, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_points(num_cpu_experts: int, top_k: int, limit: int) -> list[tuple[int, int]]:
+    """(experts, tokens) the probe times, within ``limit`` (kt-kernel's buffer): every CPU
+    expert with about one pick each, and at 1,024 and 4,096 tokens (the split's range,
+    where kt-kernel's cost per pick is not what it is in small batches); a quarter of them
+    with the first count's picks. Enough to tell a forward's fixed cost, an expert's and a
+    pick's apart."""
+    small = min(max(-(-num_cpu_experts // top_k), 1), limit)
+    sizes = sorted({small, min(max(PROBE_TOKENS[0], small), limit), min(max(PROBE_TOKENS[1], small), limit)})
+    return [(num_cpu_experts, n) for n in sizes] + [(max(num_cpu_experts // 4, 1), small)]
+
+
+PROBE_TOKENS = (1024, 4096)
+
+
+def _fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """``fit_costs``, or where the points cannot tell an expert's cost apart (a layer of
+    fewer than four CPU experts) a line through the smallest and largest, no per-expert cost."""
+    try:
+        return fit_costs(points)
+    except ValueError:
+        (_, p1, t1), (_, p2, t2) = points[0], points[-2]
+        slope = max((t2 - t1) / (p2 - p1), 0.0) if p2 != p1 else 0.0
+        return max(t1 - slope * p1, 0.0), 0.0, slope
+
+
+def probe(path: SplitPath, dtype: torch.dtype) -> ProbedCosts:
+    """Measure the cost model's constants on ``path``'s layer with activations of ``dtype``
+    (see the module docstring). It runs in the first forward above the CUDA-graph sizes,
+    which is vLLM's profiling run (``max_num_batched_tokens`` dummy tokens): what its own
+    CPU-backend calls leave behind (kt-kernel's deferral hands results to the next layer)
+    reaches no real output."""
+    host, staging, cpu = path.host, path.staging, path.cpu
+    assert host is not None and staging is not None
+    device = host.cpu_slot_of.device
+    top_k = cpu.spec.top_k
+    m = host.num_experts
+    points = probe_points(m, top_k, cpu.spec.chunked_prefill_size)
+
+    def routing(tokens: int, experts: int = m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        picks = torch.arange(tokens * top_k) % experts  # duplicates within a token only for timing
+        ids = path.cpu_expert_ids[picks].view(tokens, top_k).to(device=device, dtype=torch.int32)
+        x = (torch.randn(tokens, path.hidden_size) * 0.1).to(device=device, dtype=dtype)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, device=device, dtype=torch.float32)
+        return x, ids, weights
+
+    index = 1 - staging.last
+    counters = staging.rows_copied, staging.uses  # the probe is no forward: restored after
+
+    def copy_layer() -> None:
+        staging.owner[index] = None  # forget the rows: copy them all again
+        staging._copy_in(index, host)
+
+    copy_s = _timed(copy_layer, device)
+    write_s = 0.0
+    if not host.copies:  # the write alone, to tell it from the copy
+        write_s = _timed(lambda: staging._written(index, host, list(range(m))), device)
+        copy_s = max(copy_s - write_s, 0.0)
+    staging.owner[index] = None
+    views = staging.wait(staging.start(host), host)
+
+    cpu_points, gpu_points = [], []
+    for experts, tokens in points:
+        x, ids, weights = routing(tokens, experts)
+
+        def on_cpu(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
+            cpu.submit(x, ids, weights)
+            cpu.sync(x)
+
+        def on_gpu(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
+            host.apply(views, x, weights, ids)
+
+        cpu_points.append((experts, tokens * top_k, _timed(on_cpu, device)))
+        gpu_points.append((experts, tokens * top_k, _timed(on_gpu, device)))
+    staging.rows_copied, staging.uses = counters
+    _, ids, _ = routing(points[-2][1])
+    overhead_s = _timed(lambda: path.counts(ids), device)
+    cpu_fixed, cpu_expert, cpu_pick = _fit(cpu_points)
+    gpu_fixed, gpu_expert, gpu_pick = _fit(gpu_points)
+    costs = SplitCosts(
+        copy_s_per_expert=copy_s / m,
+        cpu_s_per_expert=cpu_expert,
+        cpu_s_per_pick=cpu_pick,
+        gpu_s_per_expert=gpu_expert,
+        gpu_s_per_pick=gpu_pick,
+        cpu_s_fixed=cpu_fixed,
+        gpu_s_fixed=gpu_fixed,
+        overhead_s=overhead_s,
+        write_s_per_expert=write_s / m,
+    )
+    logger.info(
+        "kt-hybrid: split cost model probed on %s (%d CPU experts, %.2f MiB each; (experts, tokens) %s): %s",
+        path.layer_name,
+        m,
+        host.expert_nbytes / 2**20,
+        points,
+        costs.describe(),
+    )
+    return ProbedCosts(costs, host.expert_nbytes)
+
+
+def build(parts: LayerParts) -> SplitPath | None:
+    """The layer's split path, or None where the split does not apply to it
+    (``gpu_prefill_path.splits``) or GPU prefill is off for it."""
+    if not splits(parts) or parts.cpu is None:
+        return None
+    min_tokens = gpu_prefill_min_tokens(parts)
+    return SplitPath(parts, min_tokens, parts.cpu) if min_tokens else None
