@@ -166,6 +166,10 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     os.environ.update(spec.env)
     from vllm import LLM, SamplingParams  # deferred: only the child process starts an engine
 
+    from vllm_kt_tools.bench import routing
+
+    routing.install()  # before the engine forks its core: counts the distinct experts per step
+
     extra: dict[str, Any] = {}
     if spec.system == "kt-hybrid":
         extra["quantization"] = "kt-hybrid"
@@ -190,7 +194,10 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     prefill_len = min(1024, llm.llm_engine.model_config.max_model_len - 2)
 
     def timed(prompts: list[dict[str, list[int]]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        # sampled, not greedy: independent tokens route like a real model's (bench/routing.py)
+        params = SamplingParams(
+            temperature=routing.TEMPERATURE, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
@@ -222,6 +229,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
     timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
     long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
+    sizes = model_sizes(json.loads((Path(spec.model) / "config.json").read_text()))
+    routed = routing.engine_routing(llm, sizes.num_experts, sizes.top_k)
     stop_engine(llm)
     return {
         "startup_s": round(startup_s, 1),
@@ -231,7 +240,9 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "prefill_prompt_tokens": prefill_len,
         "prefill_long_tok_s": round(long_len / long_s, 1),
         "prefill_long_prompt_tokens": long_len,
-        "greedy_tokens_bs1": tokens_bs1[0],
+        "tokens_bs1": tokens_bs1[0],
+        "sampling": {"temperature": routing.TEMPERATURE, "engine_seed": 0},
+        "routing": routed,
     }
 
 
@@ -271,7 +282,10 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     print(f"[bench] {spec.name}: starting (log: {log_path})", flush=True)
     started = time.perf_counter()
     target = f"{__name__}:run_engine"
-    run = run_child(target, asdict(spec), env={**os.environ, **spec.env}, timeout_s=timeout_s, log_path=log_path)
+    from vllm_kt_tools.bench.routing import child_env
+
+    env = {**os.environ, **spec.env, **child_env()}
+    run = run_child(target, asdict(spec), env=env, timeout_s=timeout_s, log_path=log_path)
     log_text = run.log
     result: dict[str, Any] = {"system": spec.system, "method": spec.method, "enforce_eager": spec.enforce_eager}
     if spec.variant:
@@ -321,8 +335,51 @@ def _recorded(name: str) -> bool:
     return not name.startswith("VLLM_KT_") and name != "VLLM_PLUGINS" and not secret
 
 
+COMMIT_VARIABLE = "VLLM_KT_COMMIT"  # the sitting's commit, where the tree travels without .git
+
+
+def project_commit() -> str | None:
+    """The project's commit: VLLM_KT_COMMIT (the lead sets it: the GPU host gets a copy of the
+    working tree, maybe without .git), else git's, with "-dirty" for uncommitted changes."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def host_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "cores": len(os.sched_getaffinity(0))}
+    """What a sitting ran on, so that figures of different hosts are never read as one:
+    CPU model, usable cores, kt-kernel's loaded variant, the project's commit, versions."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "commit": project_commit(),
+    }
     # vLLM settings given by environment to every system (e.g. VLLM_DEEP_GEMM_WARMUP)
     vllm_env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_") and _recorded(name)}
     if vllm_env:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": args.shape if not args.model else model,
         "command": "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workload": workload_info(args),
         "load_format": load_format,
         "host": host,
         "model_sizes_gib": {
@@ -96,8 +99,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         graphs = next(
             (r for r in report["runs"] if r["method"] == eager[0]["method"] and not r.get("enforce_eager")), None
         )
-        if graphs and "greedy_tokens_bs1" in graphs and "greedy_tokens_bs1" in eager[0]:
-            a, b = graphs["greedy_tokens_bs1"], eager[0]["greedy_tokens_bs1"]
+        if graphs and "tokens_bs1" in graphs and "tokens_bs1" in eager[0]:  # same engine seed
+            a, b = graphs["tokens_bs1"], eager[0]["tokens_bs1"]
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
             report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
     save(report, args.out)
@@ -331,3 +334,10 @@ def run(args: argparse.Namespace) -> int:
     runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own
     failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
     return 0 if runs and not failed else 1
+
+
+def workload_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload every system of the sitting runs (bench/routing.py says why it samples)."""
+    from vllm_kt_tools.bench.routing import TEMPERATURE
+
+    return {"temperature": TEMPERATURE, "engine_seed": 0, "decode_tokens": args.decode_tokens}
