@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vllm_kt_tools.bench.engine_runs import RunSpec
+from vllm_kt_tools.bench.peers import SGLANG_PEER, SglangKt, engine_cli_flags
+from vllm_kt_tools.bench.routing import TEMPERATURE
 from vllm_kt_tools.support.server import VLLMServer, vllm_command
 
 SERVED_NAME = "bench"
@@ -48,6 +51,7 @@ def serve_args(spec: RunSpec, max_model_len: int) -> list[str]:
         args.append("--enforce-eager")
     if spec.cpu_offload_gb:
         args += ["--cpu-offload-gb", str(spec.cpu_offload_gb)]
+    args += engine_cli_flags(spec.engine_args)
     if spec.system == "kt-hybrid":
         args += ["--quantization", "kt-hybrid"]
     return args
@@ -75,6 +79,8 @@ def bench_serve_command(
         "--random-output-len",
         str(output_len),
         "--ignore-eos",
+        "--temperature",  # sampled, as the engine runs (bench/routing.py)
+        str(TEMPERATURE),
         "--num-prompts",
         str(prompts),
         "--max-concurrency",
@@ -116,16 +122,64 @@ def load_run(
         result["env"] = spec.env
     if spec.cpu_offload_gb:
         result["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.engine_args:
+        result["engine_args"] = spec.engine_args
     max_model_len = input_len + output_len + 16
     server = VLLMServer(
         spec.model, serve_args(spec, max_model_len), env=spec.env, log_path=log_dir / f"{name}-serve.log"
     )
+    return measure_load(
+        server, name, spec.model, result, prompts, concurrency, input_len, output_len, log_dir, timeout_s
+    )
+
+
+def sglang_load_run(
+    config: SglangKt,
+    *,
+    prompts: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    log_dir: Path,
+    timeout_s: int,
+) -> dict[str, Any]:
+    """sglang-kt's own server (its Python, ``SGLANG_PYTHON``) under the same ``vllm bench serve``
+    (its OpenAI-compatible completions endpoint). Written for the GPU host; never run here."""
+    name = f"load-{SGLANG_PEER}-t{config.gpu_prefill_token_threshold}-d{config.max_deferred_experts_per_token}"
+    server = VLLMServer(config.model, [], env={}, log_path=log_dir / f"{name}-serve.log")
+    config = replace(config, port=server.port, context_length=input_len + output_len + 16)
+    server.command = config.command()
+    result: dict[str, Any] = {
+        "system": SGLANG_PEER,
+        "method": config.method,
+        "prompts": prompts,
+        "concurrency": concurrency,
+        "command": server.command,
+    }
+    return measure_load(
+        server, name, config.model, result, prompts, concurrency, input_len, output_len, log_dir, timeout_s
+    )
+
+
+def measure_load(
+    server: VLLMServer,
+    name: str,
+    model: str,
+    result: dict[str, Any],
+    prompts: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    log_dir: Path,
+    timeout_s: int,
+) -> dict[str, Any]:
+    """``vllm bench serve`` against ``server`` once it answers; its summary into ``result``."""
     out = log_dir / f"{name}.json"
     print(f"[bench] {name}: vllm serve, then {prompts} requests at concurrency {concurrency}", flush=True)
     started = time.perf_counter()
     try:
         with server:
-            command = bench_serve_command(server.base_url, spec.model, prompts, concurrency, input_len, output_len, out)
+            command = bench_serve_command(server.base_url, model, prompts, concurrency, input_len, output_len, out)
             with open(log_dir / f"{name}-client.log", "w") as log:
                 code = subprocess.run(
                     command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=timeout_s

@@ -9,18 +9,25 @@ touch ~82 of 128. Every system that computes only the experts a step touches (kt
 the logits are almost flat (every weight is drawn from +-1e-3, the final norm's too), so
 sampling at temperature 1 draws each next token almost uniformly from the vocabulary,
 independently across sequences and steps: the routing of independent tokens, which is what
-a real model's decode batch is closer to. Each request carries its own seed, so every
-system decodes the same kind of token stream; the engines' figures stay comparable.
+a real model's decode batch is closer to. The engine's seed (0) fixes the stream, and each
+decode batch repeats one prompt, so its tokens differ by the sampling alone: greedy decoding
+would route the whole batch like one token (the engine test checks the figure against that).
+Every workload samples so: decode at batch 1 and 16, both prefills (their one new token) and
+the load (``vllm bench serve --temperature 1``), for every system.
 
-What is counted. ``install()`` (in the bench's measuring child, before the engine starts:
-vLLM forks its engine core from it, so the hook is inherited) gives every vLLM MoE router
-a ``capture_fn`` (vLLM's own hook for routed-expert capture, called with each forward's
-top-k ids). For forwards of exactly 1 or 16 tokens (decode at batch 1 and 16) it adds up,
-on the device and without a sync (so it also runs inside CUDA graphs), the number of
-distinct experts the forward picked, per recorded layer. Only every ``EVERY``-th MoE layer
-is recorded (layers 0, 16, 32 of 48): the few small kernels it adds then cost well under
-1 % of a decode step. ``collect`` reads the sums back (``LLM.collective_rpc``). The
-runtime package knows nothing of this.
+What is counted. ``install()`` gives every vLLM MoE router a ``capture_fn`` (vLLM's own hook
+for routed-expert capture, called with each forward's top-k ids, for kt-hybrid too: its
+method gets the router's top-k). It must run in the process that builds the model: vLLM's CPU
+build spawns its engine core and worker processes, which re-import the bench child's main
+module (``support.child``), whose preload (``VLLM_KT_CHILD_PRELOAD``, set by ``child_env``)
+installs it there; a forked engine core inherits it. The count is a custom op (opaque to
+torch.compile, which traces the MoE layer on the CPU build), defined before the model is
+built, so nothing is defined or allocated while a graph is traced or captured. For forwards
+of exactly 1 or 16 tokens (decode at batch 1 and 16) it adds up, on the device and without
+a sync (so it also runs inside CUDA graphs), the number of distinct experts the forward
+picked, per recorded layer. Only every ``EVERY``-th MoE layer is recorded (layers 0, 16, 32
+of 48): the few small kernels it adds then cost well under 1 % of a decode step. ``collect``
+reads the sums back (``LLM.collective_rpc``). The runtime package knows nothing of this.
 """
 
 from __future__ import annotations
@@ -90,9 +97,10 @@ class _Recorder:
         counters = torch.zeros(2, len(COUNTED_TOKENS), dtype=torch.int64)
         num_experts = int(router.global_num_experts)
         self.routers.append(counters)
+        count = _count_op()  # defined now, not inside the traced forward
 
         def capture(topk_ids: torch.Tensor) -> None:
-            _count_op()(topk_ids, counters, num_experts)
+            count(topk_ids, counters, num_experts)
 
         router.set_capture_fn(capture)
 
@@ -121,8 +129,13 @@ def _count_op() -> Any:
     if _OP is None:
         import torch
 
-        @torch.library.custom_op("vllm_kt_bench::count_routed", mutates_args=("counters",))
-        def count(topk_ids: torch.Tensor, counters: torch.Tensor, num_experts: int) -> None:
+        # schema spelled out: this module's annotations are strings (``from __future__``)
+        @torch.library.custom_op(
+            "vllm_kt_bench::count_routed",
+            mutates_args=("counters",),
+            schema="(Tensor topk_ids, Tensor(a!) counters, int num_experts) -> ()",
+        )
+        def count(topk_ids, counters, num_experts):  # type: ignore[no-untyped-def]
             tokens = int(topk_ids.shape[0])
             if tokens not in COUNTED_TOKENS:
                 return
@@ -131,6 +144,10 @@ def _count_op() -> Any:
             seen.index_fill_(0, topk_ids.reshape(-1).long(), 1)
             counters[0, slot] += seen.sum()
             counters[1, slot] += 1
+
+        @count.register_fake
+        def _(topk_ids, counters, num_experts):  # type: ignore[no-untyped-def]
+            return None
 
         _OP = count
     return _OP
@@ -181,43 +198,11 @@ def engine_counts(llm: Any) -> dict[str, Any]:
         return {"error": f"collective_rpc failed: {exc!r}"[-500:]}
 
 
-def engine_routing(llm: Any, num_experts: int, top_k: int) -> dict[str, Any]:
-    """``routing_summary`` of what ``llm``'s worker recorded."""
-    return routing_summary(engine_counts(llm), num_experts, top_k)
-
-
-def routing_probe(model: str, batch: int, decode_tokens: int, llm_args: dict[str, Any]) -> dict[str, Any]:
-    """One engine, the bench's decode at ``batch`` twice: sampled as the bench samples,
-    then greedy; the distinct experts per recorded layer per step of each (runs in a
-    child process; the engine test that checks the workload routes independently)."""
-    install()
-    import json
-    from pathlib import Path
-
-    from vllm import LLM, SamplingParams
-
-    from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
-
-    config = json.loads((Path(model) / "config.json").read_text())
-    num_experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])
-    with engine_lock():
-        llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, seed=0, **llm_args)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    import random
-
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(32)]} for _ in range(batch)]
-    result: dict[str, Any] = {}
-    before = engine_counts(llm)
-    for name, temperature in (("sampled", TEMPERATURE), ("greedy", 0.0)):
-        params = SamplingParams(temperature=temperature, max_tokens=decode_tokens, ignore_eos=True, detokenize=False)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        after = engine_counts(llm)
-        result[name] = routing_summary(_difference(after, before), num_experts, top_k)
-        result[name]["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
-        before = after
-    stop_engine(llm)
-    return result
+def engine_routing(llm: Any, num_experts: int, top_k: int, since: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``routing_summary`` of what ``llm``'s worker recorded (after ``since``, an earlier
+    ``engine_counts``: the engine's own warm-up and CUDA-graph capture run dummy batches)."""
+    counts = engine_counts(llm)
+    return routing_summary(_difference(counts, since or {}), num_experts, top_k)
 
 
 def _difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
