@@ -33,7 +33,9 @@ SGLANG_PEER = "sglang-kt"
 # The parameter name segment vLLM's offloaders match for routed experts (FusedMoE's w13/w2).
 EXPERTS_SEGMENT = "experts"
 # (group size, prefetch step) points of the short sweep; each picks its own num_in_group.
-DEFAULT_PREFETCH_SWEEP = ((4, 1), (8, 1), (8, 2))
+# Resident layers come in multiples of layers/group: on the 48-layer shape at 17 GiB, group 8
+# keeps 6 layers' experts on the GPU, 16 keeps 9, 48 keeps 11 (10 with a second prefetch slot).
+DEFAULT_PREFETCH_SWEEP = ((8, 1), (16, 1), (48, 1), (48, 2))
 SGLANG_PYTHON_VARIABLE = "SGLANG_PYTHON"
 
 
