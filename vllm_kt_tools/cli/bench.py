@@ -37,6 +37,7 @@ from vllm_kt_tools.bench.load_runs import load_run, sglang_load_run
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
+    VLLM_PEERS,
     SglangKt,
     best_prefetch,
     prepared_amx_folder,
@@ -202,11 +203,11 @@ def time_layer(
 def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     """--load: every system behind `vllm serve` under `vllm bench serve`."""
     report["load"] = {"input_len": args.load_input_len, "output_len": args.load_output_len, "runs": []}
-    # --cpu-offload-gb is by far the slowest: last, so a sitting cut short keeps the others.
-    for spec in sorted(runs, key=lambda spec: spec.system == "vllm-offload"):
+    # vLLM's offloaders are by far the slowest: last, so a sitting cut short keeps the others.
+    for spec in sorted(runs, key=lambda spec: spec.system in VLLM_PEERS):
         if spec.enforce_eager:
             continue
-        load = args.offload_load if spec.system == "vllm-offload" and args.offload_load else args.load
+        load = args.offload_load if spec.system in VLLM_PEERS and args.offload_load else args.load
         prompts, concurrency = load
         report["load"]["runs"].append(
             load_run(
@@ -375,7 +376,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve`",
     )
     parser.add_argument(
-        "--offload-load", type=_load_spec, metavar="PROMPTS:CONCURRENCY", help="--load for vllm-offload (it is slow)"
+        "--offload-load",
+        type=_load_spec,
+        metavar="PROMPTS:CONCURRENCY",
+        help="--load for vLLM's offloaders (vllm-offload, -offload-experts, -prefetch: they are slow)",
     )
     parser.add_argument(
         "--layer-only", action="store_true", help="only the layer benchmark of the first kt-hybrid method (no engines)"
