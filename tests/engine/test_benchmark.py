@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kt_testing.engines import clean_env
+
 from vllm_kt_tools.bench.engine_runs import RunSpec, run_in_child
 from vllm_kt_tools.bench.routing import COUNTED_TOKENS, TOLERANCE, expected_distinct
 
