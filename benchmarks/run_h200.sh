@@ -55,6 +55,8 @@ export PYTHONUNBUFFERED=1
 export VLLM_USE_AOT_COMPILE=${VLLM_USE_AOT_COMPILE:-0}
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 export VLLM_KT_ENGINE_LOCK=${VLLM_KT_ENGINE_LOCK:-$BENCH_OUT/engine.lock}
+# the commit every JSON's host records (the tree may arrive without .git: set it when carrying)
+export VLLM_KT_COMMIT=${VLLM_KT_COMMIT:-$(git rev-parse HEAD 2> /dev/null)}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
 wants() { [[ " ${STAGES//&/} " == *" $1 "* ]]; }
 # shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
@@ -139,7 +141,7 @@ run_load() {
       --prefetch-sweep "${PREFETCH_POINT:-48:1}" ${SGLANG_SWEEP:+--sglang-sweep} \
       --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
       --load-input-len 128 --load-output-len 16 \
-      --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
+      --out "$BENCH_OUT/${LOAD_JSON:-h200_load_qwen3_30b_a3b.json}" > "$BENCH_OUT/load-bench.log" 2>&1
 }
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU
