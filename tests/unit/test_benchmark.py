@@ -503,3 +503,31 @@ def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         (4096, 0),
         (4096, 2),
     }
+
+
+def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang-kt runs kt-hybrid's first method with its GPU experts per layer and CPU threads,
+    on the AMX folder --prepare-only fills (KT_CACHE_DIR); without kt-hybrid listed, a clear error."""
+    from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.bench.peers import prepared_amx_folder
+    from vllm_kt_tools.cli.bench import sglang_configs
+
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    bench_args = args("--systems", "kt-hybrid,sglang-kt", "--methods", "AMXINT4", "--sglang-sweep")
+    runs = plan_runs(bench_args, str(model), "dummy", sizes)
+    report: dict = {"load": {}}
+    configs = sglang_configs(bench_args, runs, report)
+    assert len(configs) == 4
+    shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
+    folder = str(prepared_amx_folder(str(tmp_path), str(model), "AMXINT4", shape))
+    threads = load_settings({"KT_METHOD": "AMXINT4"}).cpuinfer_threads
+    assert {(c.method, c.num_gpu_experts, c.weight_path, c.cpuinfer) for c in configs} == {
+        ("AMXINT4", 33, folder, threads)
+    }
+    assert report["load"]["sglang_kt"]["weight_path"] == folder
+    with pytest.raises(SystemExit, match="kt-hybrid"):
+        sglang_configs(args("--systems", "sglang-kt"), [], report)

@@ -140,6 +140,7 @@ class SglangKt:
     weight_path: str  # the prepared AMX experts: kt-hybrid's cache folder for the same method
     method: str = "AMXINT4"
     cpuinfer: int = 14
+    threadpool_count: int = 1  # kt-hybrid's (one per NUMA node: 1 on the H200 host); names the folder too
     num_gpu_experts: int = 33
     max_deferred_experts_per_token: int = 0
     gpu_prefill_token_threshold: int = 4096
@@ -177,7 +178,7 @@ class SglangKt:
             "--kt-cpuinfer",
             str(self.cpuinfer),
             "--kt-threadpool-count",
-            "1",  # one pool: the prepared folder is <METHOD>-pools1
+            str(self.threadpool_count),  # as the prepared folder <METHOD>-pools<N> was written
             "--kt-num-gpu-experts",
             str(self.num_gpu_experts),
             "--kt-max-deferred-experts-per-token",
@@ -210,9 +211,9 @@ def sglang_sweep(
     ]
 
 
-def prepared_amx_folder(cache_dir: str, model: str, method: str, shape: tuple[int, int, int]) -> Path:
-    """The folder ``vllm-kt bench --prepare-only`` fills for ``method`` on a dummy-weight shape,
-    with one thread pool (the plugin's own cache layout, which kt-kernel's loader reads)."""
+def prepared_amx_folder(cache_dir: str, model: str, method: str, shape: tuple[int, int, int], pools: int = 1) -> Path:
+    """The folder ``vllm-kt bench --prepare-only`` fills for ``method`` on a dummy-weight shape
+    with ``pools`` thread pools (the plugin's own cache layout, which kt-kernel's loader reads)."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder
 
-    return cache_folder(cache_dir, model=model, model_dir=None, method=method, pools=1, shape=shape)
+    return cache_folder(cache_dir, model=model, model_dir=None, method=method, pools=pools, shape=shape)

@@ -33,7 +33,7 @@ from vllm_kt_tools.bench.engine_runs import (
 )
 from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
-from vllm_kt_tools.bench.load_runs import load_run, sglang_load_run
+from vllm_kt_tools.bench.load_runs import Load, load_run, sglang_load_run
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
@@ -203,38 +203,21 @@ def time_layer(
 def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     """--load: every system behind `vllm serve` under `vllm bench serve`."""
     report["load"] = {"input_len": args.load_input_len, "output_len": args.load_output_len, "runs": []}
+
+    def load_of(spec_load: tuple[int, int]) -> Load:
+        prompts, concurrency = spec_load
+        return Load(prompts, concurrency, args.load_input_len, args.load_output_len, log_dir, args.timeout)
+
     # vLLM's offloaders are by far the slowest: last, so a sitting cut short keeps the others.
     for spec in sorted(runs, key=lambda spec: spec.system in VLLM_PEERS):
         if spec.enforce_eager:
             continue
-        load = args.offload_load if spec.system in VLLM_PEERS and args.offload_load else args.load
-        prompts, concurrency = load
-        report["load"]["runs"].append(
-            load_run(
-                spec,
-                prompts=prompts,
-                concurrency=concurrency,
-                input_len=args.load_input_len,
-                output_len=args.load_output_len,
-                log_dir=log_dir,
-                timeout_s=args.timeout,
-            )
-        )
+        slow = spec.system in VLLM_PEERS and args.offload_load
+        report["load"]["runs"].append(load_run(spec, load_of(args.offload_load if slow else args.load)))
         save(report, args.out)
     if SGLANG_PEER in system_order(args):
-        prompts, concurrency = args.load
         for config in sglang_configs(args, runs, report):
-            report["load"]["runs"].append(
-                sglang_load_run(
-                    config,
-                    prompts=prompts,
-                    concurrency=concurrency,
-                    input_len=args.load_input_len,
-                    output_len=args.load_output_len,
-                    log_dir=log_dir,
-                    timeout_s=args.timeout,
-                )
-            )
+            report["load"]["runs"].append(sglang_load_run(config, load_of(args.load)))
             save(report, args.out)
     return report
 
@@ -251,13 +234,14 @@ def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], report: dict[s
     sizes = model_sizes(json.loads((Path(hybrid.model) / "config.json").read_text()))
     shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
     weight_path = args.sglang_weight_path or str(
-        prepared_amx_folder(settings.cache_dir, hybrid.model, hybrid.method, shape)
+        prepared_amx_folder(settings.cache_dir, hybrid.model, hybrid.method, shape, settings.threadpool_count)
     )
     base = SglangKt(
         model=hybrid.model,
         weight_path=weight_path,
         method=hybrid.method,
         cpuinfer=settings.cpuinfer_threads,
+        threadpool_count=settings.threadpool_count,
         num_gpu_experts=int(hybrid.env["KT_NUM_GPU_EXPERTS"]),
     )
     report["load"]["sglang_kt"] = {"weight_path": weight_path, "sweep": args.sglang_sweep}
