@@ -24,7 +24,11 @@
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless
 #                 PREFILL_OFF_CHECK=0) and with BENCH_VARIANTS (NAME:KT_A=1[,KT_B=2] each) -> BENCH_JSON
-#   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`
+#   peers         issue 27's peers at the same 17 GiB: PEER_SYSTEMS (vllm-offload-experts, the prefetch
+#                 offloader's sweep PREFETCH_SWEEP) -> --append to BENCH_JSON; its prefetch_sweep.chosen
+#                 names the point for the load stage (PREFETCH_POINT=GROUP:STEP)
+#   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve` (sglang-kt: its own server under
+#                 SGLANG_PYTHON, from benchmarks/sglang-bundle.sh, reading the AMX experts `prepare` made)
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
 #   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
@@ -51,6 +55,8 @@ export PYTHONUNBUFFERED=1
 export VLLM_USE_AOT_COMPILE=${VLLM_USE_AOT_COMPILE:-0}
 export VLLM_KT_TEST_MODEL_CACHE=${VLLM_KT_TEST_MODEL_CACHE:-/root/tiny-models}
 export VLLM_KT_ENGINE_LOCK=${VLLM_KT_ENGINE_LOCK:-$BENCH_OUT/engine.lock}
+# the commit every JSON's host records (the tree may arrive without .git: set it when carrying)
+export VLLM_KT_COMMIT=${VLLM_KT_COMMIT:-$(git rev-parse HEAD 2> /dev/null)}
 stage() { echo "$(date +%T) $*" | tee -a "$BENCH_OUT/stages.log"; }
 wants() { [[ " ${STAGES//&/} " == *" $1 "* ]]; }
 # shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
@@ -124,11 +130,18 @@ run_bench() {
       --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/bench.log" 2>&1
 }
 
+run_peers() {
+  "${BENCH[@]}" --systems "${PEER_SYSTEMS:-vllm-offload-experts,vllm-prefetch}" --skip-layer --append \
+      --prefetch-sweep "${PREFETCH_SWEEP:-8:1,16:1,48:1,48:2}" \
+      --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/peers.log" 2>&1
+}
+
 run_load() {
   "${BENCH[@]}" --methods AMXINT4 --systems "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" \
+      --prefetch-sweep "${PREFETCH_POINT:-48:1}" ${SGLANG_SWEEP:+--sglang-sweep} \
       --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
       --load-input-len 128 --load-output-len 16 \
-      --out "$BENCH_OUT/h200_load_qwen3_30b_a3b.json" > "$BENCH_OUT/load-bench.log" 2>&1
+      --out "$BENCH_OUT/${LOAD_JSON:-h200_load_qwen3_30b_a3b.json}" > "$BENCH_OUT/load-bench.log" 2>&1
 }
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU

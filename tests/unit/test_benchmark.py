@@ -326,3 +326,208 @@ def test_decode_rate_is_the_difference_of_two_runs() -> None:
     assert decode_rate(1, 64, short_s=0.5, long_s=1.3) == pytest.approx(80.0)
     assert decode_rate(16, 32, short_s=2.0, long_s=2.0) is None
     assert decode_rate(16, 32, short_s=2.5, long_s=2.0) is None
+
+
+def test_host_records_cpu_commit_and_kt_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sittings describe themselves: CPU model, usable cores, kt-kernel's loaded variant, commit."""
+    import os
+
+    import kt_kernel
+
+    from vllm_kt_tools.bench.engine_runs import COMMIT_VARIABLE, host_info
+
+    monkeypatch.setenv(COMMIT_VARIABLE, "abc1234")
+    host = host_info()
+    assert "probe_error" not in host, host
+    assert host["cpu_model"] and host["cores"] == len(os.sched_getaffinity(0))
+    assert host["commit"] == "abc1234"
+    assert host["kt_cpu_variant"] == kt_kernel.__cpu_variant__
+    monkeypatch.delenv(COMMIT_VARIABLE)
+    assert len(host_info()["commit"].removesuffix("-dirty")) == 40  # git's, in this checkout
+
+
+def test_expected_distinct_experts_of_independent_tokens() -> None:
+    """E(1-(1-k/E)^n) against a draw of independent top-k sets: k at n=1, about 82 of 128
+    for 16 tokens of top-8 (issue 27), 7.92 of 8 for the tiny model's top-2 at 16."""
+    import random
+
+    from vllm_kt_tools.bench.routing import expected_distinct
+
+    assert expected_distinct(128, 8, 1) == pytest.approx(8.0)
+    assert 81 < expected_distinct(128, 8, 16) < 83
+    rng = random.Random(0)
+    for experts, top_k, tokens in ((128, 8, 16), (8, 2, 16), (64, 4, 3)):
+        trials = [len({e for _ in range(tokens) for e in rng.sample(range(experts), top_k)}) for _ in range(4000)]
+        assert sum(trials) / len(trials) == pytest.approx(expected_distinct(experts, top_k, tokens), rel=0.01)
+
+
+def test_routing_summary_flags_greedy_like_routing() -> None:
+    """Measured sums per layer forward, compared with independent tokens: 16 tokens that
+    route like one (greedy dummy decoding) are far outside; a missing count is an error."""
+    from vllm_kt_tools.bench.routing import _difference, expected_distinct, routing_summary
+
+    independent = {"layers": 3, "distinct": {"1": 8 * 30, "16": 82 * 30}, "forwards": {"1": 30, "16": 30}}
+    summary = routing_summary(independent, 128, 8)
+    assert summary["bs1"]["within_tolerance"] and summary["bs16"]["within_tolerance"]
+    assert summary["bs16"]["expected_independent"] == round(expected_distinct(128, 8, 16), 2)
+    greedy = {**independent, "distinct": {"1": 8 * 30, "16": 8 * 30}}
+    assert routing_summary(greedy, 128, 8)["bs16"]["within_tolerance"] is False
+    assert "error" in routing_summary({"layers": 0, "error": "none"}, 128, 8)
+    since = _difference(independent, {"layers": 3, "distinct": {"1": 8, "16": 82}, "forwards": {"1": 1, "16": 1}})
+    assert since["forwards"] == {"1": 29, "16": 29} and since["distinct"]["16"] == 82 * 29
+
+
+def test_workload_records_the_independent_token_expectation() -> None:
+    from vllm_kt_tools.bench.routing import expected_distinct
+    from vllm_kt_tools.cli.bench import workload_info
+
+    info = workload_info(args())
+    assert info["temperature"] == 1.0
+    assert info["expected_distinct_experts"] == {
+        "bs1": 8.0,
+        "bs16": round(expected_distinct(128, 8, 16), 2),
+    }
+
+
+def _vllm_engine_args(flags: list[str]):
+    """vLLM's own parser and EngineArgs on ``vllm serve`` flags: the settings vLLM would take."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", "/m", *flags]))
+
+
+def test_peers_hold_the_same_gpu_weight_budget() -> None:
+    """vllm-offload and vllm-offload-experts offload the 40 GiB beyond 17 (experts only for the
+    latter); each prefetch point keeps the fewest offloaded layers whose GPU weights fit 17 GiB."""
+    from vllm_kt_tools.bench.peers import DEFAULT_PREFETCH_SWEEP, offloaded_layers
+
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    runs = plan_runs(
+        args("--systems", "vllm-offload,vllm-offload-experts,vllm-prefetch,kt-hybrid", "--methods", "AMXINT4"),
+        "/m",
+        "dummy",
+        sizes,
+    )
+    by_system = {}
+    for run in runs:
+        by_system.setdefault(run.system, []).append(run)
+    assert by_system["vllm-offload"][0].cpu_offload_gb == 40
+    experts = by_system["vllm-offload-experts"][0]
+    assert experts.engine_args == {"cpu_offload_gb": 40.0, "cpu_offload_params": ["experts"]}
+    prefetch = by_system["vllm-prefetch"]
+    points = [(r.engine_args["offload_group_size"], r.engine_args["offload_prefetch_step"]) for r in prefetch]
+    assert tuple(points) == DEFAULT_PREFETCH_SWEEP
+    layer = sizes.num_experts * sizes.expert_bytes
+    for run in prefetch:
+        a = run.engine_args
+        group, n, step = a["offload_group_size"], a["offload_num_in_group"], a["offload_prefetch_step"]
+        assert a["offload_params"] == ["experts"]
+
+        def gpu(n: int, group: int = group, step: int = step) -> int:
+            return sizes.non_expert_bytes + (sizes.layers - offloaded_layers(sizes.layers, group, n) + step) * layer
+
+        assert gpu(n) <= 17 * GIB < gpu(n - 1)  # the fewest offloaded layers that fit
+        assert run.variant == f"g{group}-n{n}-p{step}"
+        assert run.gpu_weight_gb == round(gpu(n) / GIB, 2)
+    assert offloaded_layers(48, 8, 2) == 12  # layers 6, 7, 14, 15, ... (vLLM's own example)
+
+
+def test_peer_command_lines_are_what_vllm_takes() -> None:
+    """The serve flags of each vLLM peer parsed by vLLM 0.32's own CLI; the engine kwargs
+    equal; the load generator samples at temperature 1."""
+    from vllm_kt_tools.bench.load_runs import bench_serve_command, serve_args
+    from vllm_kt_tools.bench.peers import engine_kwargs
+
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    runs = plan_runs(args("--systems", "vllm-offload-experts,vllm-prefetch"), "/m", "dummy", sizes)
+    experts = _vllm_engine_args(serve_args(runs[0], 256)[2:])  # past --served-model-name NAME
+    assert (experts.cpu_offload_gb, set(experts.cpu_offload_params)) == (40.0, {"experts"})
+    assert engine_kwargs(runs[0].engine_args)["cpu_offload_params"] == {"experts"}
+    prefetch = _vllm_engine_args(serve_args(runs[-1], 256)[2:])
+    want = runs[-1].engine_args
+    got = (prefetch.offload_group_size, prefetch.offload_num_in_group, prefetch.offload_prefetch_step)
+    assert got == (want["offload_group_size"], want["offload_num_in_group"], want["offload_prefetch_step"])
+    assert set(prefetch.offload_params) == {"experts"}
+    from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig
+
+    OffloadConfig(prefetch=PrefetchOffloadConfig(*got, {"experts"}))  # vLLM's own checks pass
+    command = bench_serve_command("http://x", "/m", 10, 2, 128, 16, Path("/tmp/o.json"))
+    assert command[command.index("--temperature") + 1] == "1.0"
+
+
+def test_prefetch_sweep_argument() -> None:
+    assert args("--prefetch-sweep", "8:1,16:2").prefetch_sweep == ((8, 1), (16, 2))
+    with pytest.raises(SystemExit):
+        args("--prefetch-sweep", "8")
+    with pytest.raises(SystemExit):
+        args("--prefetch-sweep", "8:0")
+
+
+def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """sglang-kt 0.7.2's server under its own Python, reading the AMX folder the bench
+    prepared (one thread pool), 33 GPU experts, dummy GPU weights; a clear error without
+    SGLANG_PYTHON. Its sweep varies only the threshold and the deferral."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder
+    from vllm_kt_tools.bench.peers import SGLANG_PYTHON_VARIABLE, SglangKt, prepared_amx_folder, sglang_sweep
+
+    folder = prepared_amx_folder(str(tmp_path), "/w/model-qwen3-30b-a3b", "AMXINT4", (128, 2048, 768))
+    assert folder == cache_folder(
+        str(tmp_path), model="/w/model-qwen3-30b-a3b", model_dir=None, method="AMXINT4", pools=1, shape=(128, 2048, 768)
+    )
+    assert folder.name == "AMXINT4-pools1"
+    config = SglangKt(model="/w/m", weight_path=str(folder), cpuinfer=14, max_deferred_experts_per_token=2)
+    monkeypatch.delenv(SGLANG_PYTHON_VARIABLE, raising=False)
+    with pytest.raises(SystemExit, match=SGLANG_PYTHON_VARIABLE):
+        config.command()
+    monkeypatch.setenv(SGLANG_PYTHON_VARIABLE, "/opt/sgl/bin/python")
+    command = config.command()
+    assert command[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert "--disable-radix-cache" in command
+    flags = {f: command[command.index(f) + 1] for f in command if f.startswith("--kt-") or f == "--load-format"}
+    assert flags == {
+        "--load-format": "dummy",
+        "--kt-weight-path": str(folder),
+        "--kt-method": "AMXINT4",
+        "--kt-cpuinfer": "14",
+        "--kt-threadpool-count": "1",
+        "--kt-num-gpu-experts": "33",
+        "--kt-max-deferred-experts-per-token": "2",
+        "--kt-gpu-prefill-token-threshold": "4096",
+    }
+    sweep = sglang_sweep(config)
+    assert {(c.gpu_prefill_token_threshold, c.max_deferred_experts_per_token) for c in sweep} == {
+        (1024, 0),
+        (1024, 2),
+        (4096, 0),
+        (4096, 2),
+    }
+
+
+def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang-kt runs kt-hybrid's first method with its GPU experts per layer and CPU threads,
+    on the AMX folder --prepare-only fills (KT_CACHE_DIR); without kt-hybrid listed, a clear error."""
+    from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.bench.peers import prepared_amx_folder
+    from vllm_kt_tools.cli.bench import sglang_configs
+
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    bench_args = args("--systems", "kt-hybrid,sglang-kt", "--methods", "AMXINT4", "--sglang-sweep")
+    runs = plan_runs(bench_args, str(model), "dummy", sizes)
+    report: dict = {"load": {}}
+    configs = sglang_configs(bench_args, runs, report)
+    assert len(configs) == 4
+    shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
+    folder = str(prepared_amx_folder(str(tmp_path), str(model), "AMXINT4", shape))
+    threads = load_settings({"KT_METHOD": "AMXINT4"}).cpuinfer_threads
+    assert {(c.method, c.num_gpu_experts, c.weight_path, c.cpuinfer) for c in configs} == {
+        ("AMXINT4", 33, folder, threads)
+    }
+    assert report["load"]["sglang_kt"]["weight_path"] == folder
+    with pytest.raises(SystemExit, match="kt-hybrid"):
+        sglang_configs(args("--systems", "sglang-kt"), [], report)

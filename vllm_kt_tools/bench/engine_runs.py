@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -27,6 +26,13 @@ from typing import Any
 from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.model_memory import ModelMemory, estimate_model_memory
+from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench.peers import (
+    engine_kwargs,
+    offload_gb,
+    prefetch_sweep,
+    uva_engine_args,
+)
 from vllm_kt_tools.bench.report import large_forwards, layer_metrics
 from vllm_kt_tools.support.child import run_child
 from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
@@ -130,7 +136,7 @@ def model_sizes(hf_config: dict[str, Any]) -> ModelSizes:
 class RunSpec:
     """One engine configuration to benchmark."""
 
-    system: str  # vllm-gpu | vllm-offload | kt-hybrid
+    system: str  # vllm-gpu | vllm-offload | vllm-offload-experts | vllm-prefetch | kt-hybrid
     method: str  # bf16 for plain vLLM; the kt-kernel method for kt-hybrid
     model: str
     load_format: str
@@ -142,6 +148,9 @@ class RunSpec:
     max_model_len: int = LONG_PROMPT_TOKENS + 64
     gpu_memory_utilization: float = 0.9
     variant: str = ""  # tells apart runs of one system and method (e.g. "prefill-off")
+    # vLLM engine arguments of a peer (bench/peers.py), e.g. the prefetch offloader's
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    temperature: float = routing.TEMPERATURE  # the workload's (bench/routing.py says why not greedy)
 
     @property
     def name(self) -> str:
@@ -160,13 +169,22 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, l
     return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]} for _ in range(count)]
 
 
+def _decode_prompts(batch: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    """One 32-token prompt for every sequence of a decode batch: what routes the batch's
+    tokens apart is then the sampling alone, which the recorded routing checks (greedy
+    decoding would route all of them alike)."""
+    return _prompts(1, 32, vocab, seed) * batch
+
+
 def run_engine(**fields: Any) -> dict[str, Any]:
     """Start one vLLM engine and measure it (runs in the child process)."""
     spec = RunSpec(**fields)
     os.environ.update(spec.env)
     from vllm import LLM, SamplingParams  # deferred: only the child process starts an engine
 
-    extra: dict[str, Any] = {}
+    routing.install()  # here and, through support.child's preload, in the spawned engine processes
+
+    extra: dict[str, Any] = engine_kwargs(spec.engine_args)
     if spec.system == "kt-hybrid":
         extra["quantization"] = "kt-hybrid"
     if spec.cpu_offload_gb:
@@ -188,15 +206,17 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         startup_s = time.perf_counter() - started
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prefill_len = min(1024, llm.llm_engine.model_config.max_model_len - 2)
+    routed_at_start = routing.engine_counts(llm)  # not the engine's own warm-up and graph capture
 
     def timed(prompts: list[dict[str, list[int]]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        # sampled, not greedy: independent tokens route like a real model's (bench/routing.py)
+        params = SamplingParams(temperature=spec.temperature, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
     def timed_decode_rate(batch: int, seed: int) -> tuple[float | None, list[list[int]]]:
-        prompts = _prompts(batch, 32, vocab, seed)
+        prompts = _decode_prompts(batch, vocab, seed)
         short, tokens = timed(prompts, spec.decode_tokens)
         long, _ = timed(prompts, 2 * spec.decode_tokens)
         return decode_rate(batch, spec.decode_tokens, short, long), tokens
@@ -204,7 +224,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     def decode_rates(batch: int, seed: int) -> tuple[list[float], int, list[list[int]]]:
         """Up to DECODE_REPEATS rates (fewer where as many pairs were discarded), and the
         pairs discarded."""
-        timed(_prompts(batch, 32, vocab, seed), 4)  # warm-up
+        timed(_decode_prompts(batch, vocab, seed), 4)  # warm-up
         rates: list[float] = []
         discarded = 0
         while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
@@ -222,6 +242,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
     timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
     long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
+    sizes = model_sizes(json.loads((Path(spec.model) / "config.json").read_text()))
+    routed = routing.engine_routing(llm, sizes.num_experts, sizes.top_k, since=routed_at_start)
     stop_engine(llm)
     return {
         "startup_s": round(startup_s, 1),
@@ -231,7 +253,9 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "prefill_prompt_tokens": prefill_len,
         "prefill_long_tok_s": round(long_len / long_s, 1),
         "prefill_long_prompt_tokens": long_len,
-        "greedy_tokens_bs1": tokens_bs1[0],
+        "tokens_bs1": tokens_bs1[0],
+        "sampling": {"temperature": spec.temperature, "engine_seed": 0},
+        "routing": routed,
     }
 
 
@@ -271,7 +295,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     print(f"[bench] {spec.name}: starting (log: {log_path})", flush=True)
     started = time.perf_counter()
     target = f"{__name__}:run_engine"
-    run = run_child(target, asdict(spec), env={**os.environ, **spec.env}, timeout_s=timeout_s, log_path=log_path)
+    env = {**os.environ, **spec.env, **routing.child_env()}
+    run = run_child(target, asdict(spec), env=env, timeout_s=timeout_s, log_path=log_path)
     log_text = run.log
     result: dict[str, Any] = {"system": spec.system, "method": spec.method, "enforce_eager": spec.enforce_eager}
     if spec.variant:
@@ -282,6 +307,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     result["configured_gpu_weight_gb"] = spec.gpu_weight_gb
     if spec.cpu_offload_gb:
         result["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.engine_args:
+        result["engine_args"] = spec.engine_args
     if spec.env:
         result["env"] = spec.env
     metrics = layer_metrics(log_text)  # with KT_METRICS_INTERVAL set (e.g. --kt-env)
@@ -321,8 +348,51 @@ def _recorded(name: str) -> bool:
     return not name.startswith("VLLM_KT_") and name != "VLLM_PLUGINS" and not secret
 
 
+COMMIT_VARIABLE = "VLLM_KT_COMMIT"  # the sitting's commit, where the tree travels without .git
+
+
+def project_commit() -> str | None:
+    """The project's commit: VLLM_KT_COMMIT (the lead sets it: the GPU host gets a copy of the
+    working tree, maybe without .git), else git's, with "-dirty" for uncommitted changes."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def host_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "cores": len(os.sched_getaffinity(0))}
+    """What a sitting ran on, so that figures of different hosts are never read as one:
+    CPU model, usable cores, kt-kernel's loaded variant, the project's commit, versions."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "commit": project_commit(),
+    }
     # vLLM settings given by environment to every system (e.g. VLLM_DEEP_GEMM_WARMUP)
     vllm_env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_") and _recorded(name)}
     if vllm_env:
@@ -391,6 +461,33 @@ def system_order(args: argparse.Namespace) -> list[str]:
     return [system.strip() for system in args.systems.split(",")]
 
 
+def peer_runs(
+    args: argparse.Namespace, sizes: ModelSizes, plain: str, common: dict[str, Any], systems: set[str]
+) -> list[RunSpec]:
+    """vLLM's offloaders at the same GPU weight budget (bench/peers.py sizes them); the
+    prefetch offloader once per point of its sweep (variant = the point's name)."""
+    runs: list[RunSpec] = []
+    budget = args.gpu_weight_gb
+    if "vllm-offload" in systems:
+        gb = offload_gb(sizes.total_bytes, budget)
+        runs.append(RunSpec("vllm-offload", plain, gpu_weight_gb=budget, cpu_offload_gb=gb, **common))
+    if "vllm-offload-experts" in systems:
+        uva = uva_engine_args(sizes.total_bytes, sizes.experts_bytes, budget, experts_only=True)
+        runs.append(RunSpec("vllm-offload-experts", plain, gpu_weight_gb=budget, engine_args=uva, **common))
+    if "vllm-prefetch" in systems:
+        layer_experts = sizes.num_experts * sizes.expert_bytes
+        points = prefetch_sweep(sizes.layers, layer_experts, sizes.non_expert_bytes, budget, args.prefetch_sweep)
+        if not points:
+            raise SystemExit(f"--prefetch-sweep: no point fits {budget} GiB of GPU weights")
+        for point in points:
+            gb = round(point.gpu_weight_bytes / GIB, 2)
+            prefetch = point.engine_args()
+            runs.append(
+                RunSpec("vllm-prefetch", plain, gpu_weight_gb=gb, engine_args=prefetch, variant=point.name, **common)
+            )
+    return runs
+
+
 def plan_runs(
     args: argparse.Namespace, model: str, load_format: str, sizes: ModelSizes, expert_files: str | None = None
 ) -> list[RunSpec]:
@@ -410,9 +507,7 @@ def plan_runs(
     systems = set(order)
     if "vllm-gpu" in systems:
         runs.append(RunSpec("vllm-gpu", plain, gpu_weight_gb=round(total_gb, 1), **common))
-    if "vllm-offload" in systems:
-        offload = max(0.0, math.ceil(total_gb - args.gpu_weight_gb))
-        runs.append(RunSpec("vllm-offload", plain, gpu_weight_gb=args.gpu_weight_gb, cpu_offload_gb=offload, **common))
+    runs += peer_runs(args, sizes, plain, common, systems)
     if "kt-hybrid" in systems:
         methods = [m.strip().upper() for m in args.methods.split(",") if m.strip()]
         if own_method is not None:

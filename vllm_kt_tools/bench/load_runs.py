@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_kt_tools.bench.engine_runs import RunSpec
+from vllm_kt_tools.bench.peers import SGLANG_PEER, SglangKt, engine_cli_flags
+from vllm_kt_tools.bench.routing import TEMPERATURE
 from vllm_kt_tools.support.server import VLLMServer, vllm_command
 
 SERVED_NAME = "bench"
@@ -48,6 +51,7 @@ def serve_args(spec: RunSpec, max_model_len: int) -> list[str]:
         args.append("--enforce-eager")
     if spec.cpu_offload_gb:
         args += ["--cpu-offload-gb", str(spec.cpu_offload_gb)]
+    args += engine_cli_flags(spec.engine_args)
     if spec.system == "kt-hybrid":
         args += ["--quantization", "kt-hybrid"]
     return args
@@ -75,6 +79,8 @@ def bench_serve_command(
         "--random-output-len",
         str(output_len),
         "--ignore-eos",
+        "--temperature",  # sampled, as the engine runs (bench/routing.py)
+        str(TEMPERATURE),
         "--num-prompts",
         str(prompts),
         "--max-concurrency",
@@ -94,47 +100,66 @@ def bench_serve_command(
     ]
 
 
-def load_run(
-    spec: RunSpec,
-    *,
-    prompts: int,
-    concurrency: int,
-    input_len: int,
-    output_len: int,
-    log_dir: Path,
-    timeout_s: int,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Load:
+    """One load: ``prompts`` requests at ``concurrency``, their lengths, where logs go."""
+
+    prompts: int
+    concurrency: int
+    input_len: int
+    output_len: int
+    log_dir: Path
+    timeout_s: int
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_len + self.output_len + 16
+
+
+def load_run(spec: RunSpec, load: Load) -> dict[str, Any]:
     """One system behind ``vllm serve`` under ``vllm bench serve``; the summary of its result."""
     name = f"load-{spec.name}"
-    result: dict[str, Any] = {
-        "system": spec.system,
-        "method": spec.method,
-        "prompts": prompts,
-        "concurrency": concurrency,
-    }
-    if spec.env:
-        result["env"] = spec.env
-    if spec.cpu_offload_gb:
-        result["cpu_offload_gb"] = spec.cpu_offload_gb
-    max_model_len = input_len + output_len + 16
-    server = VLLMServer(
-        spec.model, serve_args(spec, max_model_len), env=spec.env, log_path=log_dir / f"{name}-serve.log"
-    )
-    out = log_dir / f"{name}.json"
-    print(f"[bench] {name}: vllm serve, then {prompts} requests at concurrency {concurrency}", flush=True)
+    result: dict[str, Any] = {"system": spec.system, "method": spec.method}
+    for key in ("env", "cpu_offload_gb", "engine_args"):
+        if getattr(spec, key):
+            result[key] = getattr(spec, key)
+    args = serve_args(spec, load.max_model_len)
+    server = VLLMServer(spec.model, args, env=spec.env, log_path=load.log_dir / f"{name}-serve.log")
+    return measure_load(server, name, spec.model, result, load)
+
+
+def sglang_load_run(config: SglangKt, load: Load) -> dict[str, Any]:
+    """sglang-kt's own server (its Python, ``SGLANG_PYTHON``) under the same ``vllm bench serve``
+    (its OpenAI-compatible completions endpoint). Written for the GPU host; never run here."""
+    name = f"load-{SGLANG_PEER}-t{config.gpu_prefill_token_threshold}-d{config.max_deferred_experts_per_token}"
+    server = VLLMServer(config.model, [], env={}, log_path=load.log_dir / f"{name}-serve.log")
+    config = replace(config, port=server.port, context_length=load.max_model_len)
+    server.command = config.command()
+    result: dict[str, Any] = {"system": SGLANG_PEER, "method": config.method, "command": server.command}
+    return measure_load(server, name, config.model, result, load)
+
+
+def measure_load(server: VLLMServer, name: str, model: str, result: dict[str, Any], load: Load) -> dict[str, Any]:
+    """``vllm bench serve`` against ``server`` once it answers; its summary into ``result``."""
+    result.update(prompts=load.prompts, concurrency=load.concurrency)
+    out = load.log_dir / f"{name}.json"
+    client_log = load.log_dir / f"{name}-client.log"
+    print(f"[bench] {name}: its server, then {load.prompts} requests at concurrency {load.concurrency}", flush=True)
     started = time.perf_counter()
     try:
         with server:
-            command = bench_serve_command(server.base_url, spec.model, prompts, concurrency, input_len, output_len, out)
-            with open(log_dir / f"{name}-client.log", "w") as log:
+            command = bench_serve_command(
+                server.base_url, model, load.prompts, load.concurrency, load.input_len, load.output_len, out
+            )
+            with open(client_log, "w") as log:
                 code = subprocess.run(
-                    command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=timeout_s
+                    command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=load.timeout_s
                 ).returncode
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
         result["error"] = str(exc)[-1500:]
         return result
     if code != 0 or not out.exists():
-        result["error"] = f"vllm bench serve exited {code}; see {log_dir / f'{name}-client.log'}"
+        result["error"] = f"vllm bench serve exited {code}; see {client_log}"
         return result
     full = json.loads(out.read_text())
     result.update({key: _rounded(full[key]) for key in SUMMARY_KEYS if key in full})

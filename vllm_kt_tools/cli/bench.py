@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,16 @@ from vllm_kt_tools.bench.engine_runs import (
 )
 from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
-from vllm_kt_tools.bench.load_runs import load_run
+from vllm_kt_tools.bench.load_runs import Load, load_run, sglang_load_run
+from vllm_kt_tools.bench.peers import (
+    DEFAULT_PREFETCH_SWEEP,
+    SGLANG_PEER,
+    VLLM_PEERS,
+    SglangKt,
+    best_prefetch,
+    prepared_amx_folder,
+    sglang_sweep,
+)
 from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_tools.bench.split_curve import split_curve_in_child
 from vllm_kt_tools.support.engine_lock import engine_lock
@@ -61,6 +72,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": args.shape if not args.model else model,
         "command": "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workload": workload_info(args),
         "load_format": load_format,
         "host": host,
         "model_sizes_gib": {
@@ -83,9 +96,13 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         return run_layer_only(runs, report, workdir, args)
     if args.kernel_sweep:
         sweep_kernels(runs, report, log_dir, args)
+    if SGLANG_PEER in system_order(args):  # said, not silently skipped
+        report["not_measured"] = {SGLANG_PEER: "engine-mode figures are not built for sglang-kt; it runs under --load"}
+        print(f"[bench] {SGLANG_PEER}: {report['not_measured'][SGLANG_PEER]}", flush=True)
     for spec in runs:
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
+    record_prefetch_sweep(report)
     hybrid = best_hybrid(report["runs"])
     if hybrid is not None and not args.skip_layer:
         layer = time_layer(report, model, hybrid["method"], hybrid.get("env", {}), workdir, args.timeout)
@@ -99,8 +116,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         graphs = next(
             (r for r in report["runs"] if r["method"] == eager[0]["method"] and not r.get("enforce_eager")), None
         )
-        if graphs and "greedy_tokens_bs1" in graphs and "greedy_tokens_bs1" in eager[0]:
-            a, b = graphs["greedy_tokens_bs1"], eager[0]["greedy_tokens_bs1"]
+        if graphs and "tokens_bs1" in graphs and "tokens_bs1" in eager[0]:  # same engine seed
+            a, b = graphs["tokens_bs1"], eager[0]["tokens_bs1"]
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
             report["cuda_graphs_vs_eager"] = {"method": eager[0]["method"], "tokens": len(a), "identical_prefix": same}
     save(report, args.out)
@@ -195,25 +212,59 @@ def time_layer(
 def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     """--load: every system behind `vllm serve` under `vllm bench serve`."""
     report["load"] = {"input_len": args.load_input_len, "output_len": args.load_output_len, "runs": []}
-    # --cpu-offload-gb is by far the slowest: last, so a sitting cut short keeps the others.
-    for spec in sorted(runs, key=lambda spec: spec.system == "vllm-offload"):
+
+    def load_of(spec_load: tuple[int, int]) -> Load:
+        prompts, concurrency = spec_load
+        return Load(prompts, concurrency, args.load_input_len, args.load_output_len, log_dir, args.timeout)
+
+    # vLLM's offloaders are by far the slowest: last, so a sitting cut short keeps the others.
+    for spec in sorted(runs, key=lambda spec: spec.system in VLLM_PEERS):
         if spec.enforce_eager:
             continue
-        load = args.offload_load if spec.system == "vllm-offload" and args.offload_load else args.load
-        prompts, concurrency = load
-        report["load"]["runs"].append(
-            load_run(
-                spec,
-                prompts=prompts,
-                concurrency=concurrency,
-                input_len=args.load_input_len,
-                output_len=args.load_output_len,
-                log_dir=log_dir,
-                timeout_s=args.timeout,
-            )
-        )
+        slow = spec.system in VLLM_PEERS and args.offload_load
+        report["load"]["runs"].append(load_run(spec, load_of(args.offload_load if slow else args.load)))
         save(report, args.out)
+    if SGLANG_PEER in system_order(args):
+        for config in sglang_configs(args, runs, report):
+            report["load"]["runs"].append(sglang_load_run(config, load_of(args.load)))
+            save(report, args.out)
     return report
+
+
+def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any]) -> list[SglangKt]:
+    """sglang-kt as kt-hybrid's first run is set up: its model dir, kt-kernel method, CPU
+    threads and GPU experts per layer, reading the AMX experts --prepare-only made for it."""
+    from vllm_kt_plugin.settings.loader import load_settings
+
+    hybrid = next((spec for spec in runs if spec.system == "kt-hybrid"), None)
+    if hybrid is None:
+        raise SystemExit(f"{SGLANG_PEER} takes kt-hybrid's settings: list kt-hybrid in --systems too")
+    settings = load_settings({**os.environ, **hybrid.env})
+    sizes = model_sizes(json.loads((Path(hybrid.model) / "config.json").read_text()))
+    shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
+    weight_path = args.sglang_weight_path or str(
+        prepared_amx_folder(settings.cache_dir, hybrid.model, hybrid.method, shape, settings.threadpool_count)
+    )
+    base = SglangKt(
+        model=hybrid.model,
+        weight_path=weight_path,
+        method=hybrid.method,
+        cpuinfer=settings.cpuinfer_threads,
+        threadpool_count=settings.threadpool_count,
+        num_gpu_experts=int(hybrid.env["KT_NUM_GPU_EXPERTS"]),
+    )
+    report["load"]["sglang_kt"] = {"weight_path": weight_path, "sweep": args.sglang_sweep}
+    return sglang_sweep(base) if args.sglang_sweep else [base]
+
+
+def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        points = tuple((int(g), int(p)) for g, p in (pair.split(":") for pair in text.split(",") if pair))
+    except ValueError:
+        points = ()
+    if not points or any(g < 1 or p < 1 for g, p in points):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:STEP[,GROUP:STEP], each >= 1, e.g. 8:1,8:2")
+    return points
 
 
 def _load_spec(text: str) -> tuple[int, int]:
@@ -260,6 +311,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="vllm-gpu,vllm-offload,kt-hybrid",
         help="the systems, run in this order (a --load sitting runs vllm-offload last, it is slowest)",
     )
+    parser.add_argument(
+        "--prefetch-sweep",
+        type=_prefetch_points,
+        default=DEFAULT_PREFETCH_SWEEP,
+        metavar="GROUP:STEP[,GROUP:STEP]",
+        help="vllm-prefetch: the (offload group size, prefetch step) points to run; each offloads the fewest "
+        "layers per group that fit --gpu-weight-gb (the load stage takes the one point its sitting chose)",
+    )
+    parser.add_argument(
+        "--sglang-weight-path",
+        help="sglang-kt: the prepared AMX experts (default: the folder --prepare-only fills for the first method)",
+    )
+    parser.add_argument(
+        "--sglang-sweep",
+        action="store_true",
+        help="sglang-kt (--load): also sweep its GPU-prefill threshold and deferral (peers.sglang_sweep)",
+    )
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -301,7 +369,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve`",
     )
     parser.add_argument(
-        "--offload-load", type=_load_spec, metavar="PROMPTS:CONCURRENCY", help="--load for vllm-offload (it is slow)"
+        "--offload-load",
+        type=_load_spec,
+        metavar="PROMPTS:CONCURRENCY",
+        help="--load for vLLM's offloaders (vllm-offload, -offload-experts, -prefetch: they are slow)",
     )
     parser.add_argument(
         "--layer-only", action="store_true", help="only the layer benchmark of the first kt-hybrid method (no engines)"
@@ -346,3 +417,33 @@ def run(args: argparse.Namespace) -> int:
     runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own
     failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
     return 0 if runs and not failed else 1
+
+
+def workload_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload every system of the sitting runs (bench/routing.py says why it samples),
+    with the distinct experts per layer per step that independent tokens would touch."""
+    from vllm_kt_tools.bench.routing import COUNTED_TOKENS, TEMPERATURE, expected_distinct
+
+    info: dict[str, Any] = {"temperature": TEMPERATURE, "engine_seed": 0, "decode_tokens": args.decode_tokens}
+    if not args.model:
+        config = SHAPES[args.shape]
+        experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+        info["expected_distinct_experts"] = {
+            f"bs{n}": round(expected_distinct(experts, top_k, n), 2) for n in COUNTED_TOKENS
+        }
+    return info
+
+
+def record_prefetch_sweep(report: dict[str, Any]) -> None:
+    """The prefetch offloader's sweep: its points, their figures and the one chosen
+    (``peers.best_prefetch``), which the load stage then runs (--prefetch-sweep G:S)."""
+    points = [r for r in report["runs"] if r["system"] == "vllm-prefetch"]
+    if not points:
+        return
+    keys = ("variant", "engine_args", "configured_gpu_weight_gb", "decode_bs1_tok_s", "decode_bs16_tok_s")
+    best = best_prefetch(points)
+    report["prefetch_sweep"] = {
+        "points": [{key: r.get(key) for key in keys} for r in points],
+        "chosen": best["variant"] if best else None,
+        "criterion": "highest decode_bs16_tok_s, then decode_bs1_tok_s",
+    }

@@ -23,6 +23,17 @@ from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "RESULT "
+# "module:function,...": called when this module is imported, i.e. in the child and in every
+# process vLLM spawns from it (spawn re-imports the parent's main module, this one), before
+# anything else happens there. The bench installs its routing recorder so (vLLM's CPU build
+# spawns its workers; the CUDA build forks its engine core).
+PRELOAD_VARIABLE = "VLLM_KT_CHILD_PRELOAD"
+
+
+def _preload() -> None:
+    for target in filter(None, os.environ.get(PRELOAD_VARIABLE, "").split(",")):
+        module, function = target.split(":")
+        getattr(importlib.import_module(module), function)()
 
 
 @dataclass(frozen=True)
@@ -77,5 +88,7 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+if __name__ in ("__main__", "__mp_main__"):
+    _preload()
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
