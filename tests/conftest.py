@@ -49,24 +49,12 @@ def quantized_model(tmp_path_factory: pytest.TempPathFactory):
 def vllm_layer_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A single-process vLLM world (gloo) and a VllmConfig, enough to build MoE layers
     the way a model does. Yields the VllmConfig's model dir-less factory context."""
-    import transformers
+    from kt_testing.config_only import write_config_only_qwen3_moe
     from vllm.config import ModelConfig, VllmConfig
 
     from vllm_kt_tools.support.moe_layers import vllm_world
 
-    model_dir = tmp_path_factory.mktemp("config-only")
-    transformers.Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        dtype="bfloat16",
-    ).save_pretrained(model_dir)
+    model_dir = write_config_only_qwen3_moe(tmp_path_factory.mktemp("config-only"), layers=4)
     vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True))
     with vllm_world(vllm_config):
         yield vllm_config

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kt_testing.config_only import write_config_only_qwen3_moe
 from kt_testing.hardware import requires_kernel
 
 from vllm_kt_tools.bench.layer_timing import timing_in_child
@@ -17,21 +18,7 @@ pytestmark = pytest.mark.engine
 
 @requires_kernel("AMXINT8")
 def test_split_curve_runs_on_the_cpu_build(tmp_path: Path) -> None:
-    import transformers
-
-    model = tmp_path / "config-only"
-    transformers.Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        dtype="bfloat16",
-    ).save_pretrained(model)
+    model = write_config_only_qwen3_moe(tmp_path / "config-only", layers=2)
     env = {
         "KT_METHOD": "AMXINT8",
         "KT_NUM_GPU_EXPERTS": "2",
