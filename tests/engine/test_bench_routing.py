@@ -1,5 +1,5 @@
 """The bench's workload routes like independent tokens (issue 27), on vLLM's CPU build: one
-engine start of the bench's own measuring child (``engine_runs.run_in_child``, the recorder
+engine start of the bench's own measuring child (``engine_child.run_in_child``, the recorder
 preloaded into vLLM's spawned engine processes), on the tiny Qwen3-MoE's shape with dummy
 weights as the bench runs a built-in shape. Each decode batch repeats one prompt, so with
 greedy decoding its 16 tokens would route like one (2 distinct experts of 8 at batch 16,
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from kt_testing.engines import clean_env
 
-from vllm_kt_tools.bench.engine_runs import RunSpec, run_in_child
+from vllm_kt_tools.bench.engine_child import run_in_child
+from vllm_kt_tools.bench.engine_runs import RunSpec
 from vllm_kt_tools.bench.routing import COUNTED_TOKENS, TOLERANCE, expected_distinct
 
 TINY_DECODE_TOKENS = 16

@@ -86,17 +86,22 @@ def token_ids(results: list) -> list[list[int]]:
 
 # Which placements each architecture runs with. What differs between architectures is vLLM's
 # side (router, shared experts, weight names), which one placement exercises; what differs
-# between placements is the split, the same code for every architecture. So every
-# architecture runs half on the CPU (the most paths: GPU experts, CPU experts, GPU
-# prefill), Qwen3-MoE every placement, DeepSeek-V3 also with all on the CPU (its shared
-# expert beside no GPU experts at all).
+# between placements is the path a forward takes. So every architecture runs half on the
+# CPU (the most paths: GPU experts, CPU experts, GPU prefill), Qwen3-MoE every placement,
+# DeepSeek-V3 also with all on the CPU (its shared expert beside no GPU experts at all).
+# The split (one GPU expert) also runs on Mixtral (softmax routing, no shared expert) and
+# DeepSeek-V3 (grouped sigmoid routing with a correction bias, a shared expert added
+# beside both halves): its staged half goes through the native kernel with each model's
+# own routing weights, chunked prefill included (the 180-token prompt, issue 28).
 BF16_RUNS = [
     ("qwen3_moe", "half on CPU"),
     ("qwen3_moe", "all on CPU"),
     ("qwen3_moe", "one GPU expert"),
     ("mixtral", "half on CPU"),
+    ("mixtral", "one GPU expert"),
     ("deepseek_v3", "half on CPU"),
     ("deepseek_v3", "all on CPU"),
+    ("deepseek_v3", "one GPU expert"),
     ("glm4_moe", "half on CPU"),
     ("qwen2_moe", "half on CPU"),
 ]

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from vllm_kt_plugin.settings.catalogue import GIB
-from vllm_kt_tools.bench.engine_runs import SHAPES, decode_summary, model_sizes, plan_runs, shape_config
+from vllm_kt_tools.bench.engine_child import decode_summary
+from vllm_kt_tools.bench.engine_runs import plan_runs
+from vllm_kt_tools.bench.shapes import SHAPES, model_sizes, shape_config
 from vllm_kt_tools.cli.bench import add_arguments
 
 
@@ -307,7 +309,7 @@ def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """VLLM_* variables set for a whole sitting land in the JSON; ours and per-run ones do not."""
-    from vllm_kt_tools.bench.engine_runs import host_info
+    from vllm_kt_tools.bench.host import host_info
 
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     monkeypatch.setenv("VLLM_KT_ENGINE_LOCK", "/tmp/lock")
@@ -320,7 +322,7 @@ def test_host_info_records_the_vllm_settings_every_system_ran_with(monkeypatch: 
 def test_decode_rate_is_the_difference_of_two_runs() -> None:
     """N and 2N new tokens: the N extra decode steps of ``batch`` sequences over the extra
     time; a short run that took as long or longer (a stall) gives no rate."""
-    from vllm_kt_tools.bench.engine_runs import decode_rate
+    from vllm_kt_tools.bench.engine_child import decode_rate
 
     assert decode_rate(16, 32, short_s=1.5, long_s=2.5) == 16 * 32 / 1.0
     assert decode_rate(1, 64, short_s=0.5, long_s=1.3) == pytest.approx(80.0)
@@ -334,7 +336,7 @@ def test_host_records_cpu_commit_and_kt_kernel_variant(monkeypatch: pytest.Monke
 
     import kt_kernel
 
-    from vllm_kt_tools.bench.engine_runs import COMMIT_VARIABLE, host_info
+    from vllm_kt_tools.bench.host import COMMIT_VARIABLE, host_info
 
     monkeypatch.setenv(COMMIT_VARIABLE, "abc1234")
     host = host_info()

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.bench.engine_runs import model_sizes
 from vllm_kt_tools.bench.layer_timing import random_routing, timing_in_child
+from vllm_kt_tools.bench.shapes import model_sizes
 
 SWEEP_TOKENS = (1, 16)  # decode at batch 1 and 16, as the engine runs measure it
 SWEEP_STEPS = 20

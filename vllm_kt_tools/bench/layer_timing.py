@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.bench.engine_runs import ModelSizes, model_sizes
+from vllm_kt_tools.bench.shapes import ModelSizes, model_sizes
 from vllm_kt_tools.support.child import run_child
 from vllm_kt_tools.support.moe_layers import build_moe, vllm_world
 

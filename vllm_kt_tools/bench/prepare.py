@@ -16,7 +16,8 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.backend import KTKernelExperts
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE
 from vllm_kt_plugin.planning.placement import ExpertPlacement
 from vllm_kt_plugin.settings.loader import load_settings
-from vllm_kt_tools.bench.engine_runs import ModelSizes, RunSpec, model_sizes
+from vllm_kt_tools.bench.engine_runs import RunSpec
+from vllm_kt_tools.bench.shapes import ModelSizes, model_sizes
 
 
 def fill_online_cache(spec: RunSpec, hf_config: dict[str, Any]) -> int:

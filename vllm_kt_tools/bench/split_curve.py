@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.bench.engine_runs import model_sizes
 from vllm_kt_tools.bench.layer_timing import random_routing, timing_in_child
+from vllm_kt_tools.bench.shapes import model_sizes
 from vllm_kt_tools.support.moe_layers import build_moe, vllm_world
 
 SPLIT_CURVE_TOKENS = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]

@@ -1,6 +1,6 @@
 """``vllm-kt bench``: kt-hybrid against plain vLLM and ``--cpu-offload-gb`` in one sitting.
 
-For one model shape it runs every system in a process of its own (``bench.engine_runs``),
+For one model shape it runs every system in a process of its own (``bench.engine_child``),
 then times one kt-hybrid MoE layer against bare kt-kernel and the GPU experts alone
 (``bench.layer_timing``), and writes JSON plus a PNG chart (``bench.report``). Without
 checkpoint weights (a built-in shape) every system runs with ``load_format=dummy``;
@@ -19,18 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
-from vllm_kt_tools.bench.engine_runs import (
-    CHECKPOINTS,
-    SHAPES,
-    ModelSizes,
-    RunSpec,
-    host_info,
-    model_sizes,
-    plan_runs,
-    prepare_model,
-    run_in_child,
-    system_order,
-)
+from vllm_kt_tools.bench.engine_child import run_in_child
+from vllm_kt_tools.bench.engine_runs import RunSpec, plan_runs, system_order
+from vllm_kt_tools.bench.host import host_info
 from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
 from vllm_kt_tools.bench.load_runs import Load, load_run, sglang_load_run
@@ -44,6 +35,7 @@ from vllm_kt_tools.bench.peers import (
     sglang_sweep,
 )
 from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
+from vllm_kt_tools.bench.shapes import CHECKPOINTS, SHAPES, ModelSizes, model_sizes, prepare_model
 from vllm_kt_tools.bench.split_curve import split_curve_in_child
 from vllm_kt_tools.support.engine_lock import engine_lock
 from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
