@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kt_testing.hardware import skip_without_kernel
 from safetensors.torch import load_file
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
@@ -109,11 +110,9 @@ def test_kt_kernel_reads_the_checkpoint(quantized_model, arch: str, fmt: str, me
     """kt-kernel's reader of ``method`` (half the experts masked as GPU experts) computes
     what the format defines: the routed experts' weighted sum from the dequantized tensors."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import broken_kernel, kernel_available
 
+    skip_without_kernel(method)
     kt_kernel = prepare_kt_kernel()
-    if not kernel_available(method):
-        pytest.skip(f"kt-kernel {broken_kernel(method) or f'on this CPU has no {method} kernel'}")
     model = quantized_model(arch, fmt)
     shape = expert_shape(_config(model))
     layer = shape.moe_layers[0]
@@ -192,12 +191,10 @@ def test_benchmark_experts_are_what_kt_kernel_reads(tmp_path: Path, method: str)
     `bf16-experts` write for a dummy-weight sitting pass the plugin's file checks and load
     into kt-kernel's reader of that method."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files
     from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 
-    if not kernel_available(method):
-        pytest.skip(f"this CPU / kt-kernel build has no {method} kernel")
+    skip_without_kernel(method)
 
     layers, experts, hidden, width = (1, 2), 8, 256, 128
     out = write_dummy_experts(tmp_path / "experts", method, layers, experts, hidden, width)
@@ -230,17 +227,14 @@ def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
     """GPU prefill on a block-FP8 checkpoint keeps no host copy: kt-kernel's FP8 experts
     written back (``write_gpu_layout``) are the checkpoint's own bytes — w13 = gate then up,
     with their 128 x 128 block scales — the layout vLLM's Triton FP8 kernel runs."""
-    from kt_testing.hardware import kt_variant
     from safetensors.torch import save_file
 
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import fp8_blocks
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.settings.loader import load_settings
     from vllm_kt_tools.support.moe_layers import build_moe, fresh_layer_index
 
-    if not kernel_available("FP8"):
-        pytest.skip(f"this CPU's kt-kernel build ({kt_variant()}) has no FP8 kernel")
+    skip_without_kernel("FP8")
     model = quantized_model("qwen3_moe", "fp8-block")
     shape = expert_shape(_config(model))
     source, idx = shape.moe_layers[0], fresh_layer_index()

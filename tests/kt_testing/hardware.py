@@ -32,6 +32,17 @@ def requires_kernel(method: str) -> pytest.MarkDecorator:
     )
 
 
+def skip_without_kernel(method: str) -> None:
+    """Inside a test whose method is a parameter: skip (reason given) where kt-kernel, or
+    its ``method`` kernel, is missing; the one check ``requires_kernel`` also makes."""
+    pytest.importorskip("kt_kernel")
+    if not _has_kernel(method):
+        from vllm_kt_plugin.cpu_backends.kt_kernel.methods import broken_kernel
+
+        why = broken_kernel(method) or f"this CPU's build ({kt_variant()}) has no {method} kernel"
+        pytest.skip(f"kt-kernel: {why}")
+
+
 def kt_variant() -> str:
     kt_kernel = pytest.importorskip("kt_kernel")
     return str(kt_kernel.__cpu_variant__)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from kt_testing.hardware import skip_without_kernel
 
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_tools.bench.engine_child import decode_summary
@@ -231,13 +232,11 @@ def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
 def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:
     """--prepare-only fills KT_CACHE_DIR with the random AMX experts an engine start would
     quantize, in the folder that start reads (once: a second call finds them cached)."""
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder, layer_is_cached
     from vllm_kt_tools.bench.engine_runs import RunSpec
     from vllm_kt_tools.bench.prepare import fill_online_cache
 
-    if not kernel_available("AMXINT8"):
-        pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
+    skip_without_kernel("AMXINT8")
     hf_config = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2, "num_experts": 4, "hidden_size": 128}
     hf_config |= {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
     env = {"KT_METHOD": "AMXINT8", "KT_CACHE_DIR": str(tmp_path / "cache"), "KT_CPUINFER": "1"}
@@ -265,11 +264,9 @@ def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) ->
     timed per layer at batch 1 and 16, beside one layer called with one routing."""
     import json
 
-    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
     from vllm_kt_tools.bench.kernel_sweep import kernel_sweep
 
-    if not kernel_available("AMXINT8"):
-        pytest.skip("this CPU has no AMXINT8 kernel (AVX-512 or AMX)")
+    skip_without_kernel("AMXINT8")
     hf_config = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 3, "num_experts": 8, "hidden_size": 128}
     hf_config |= {"moe_intermediate_size": 64, "num_experts_per_tok": 2}
     model = tmp_path / "model"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kt_testing.hardware import kt_variant, requires_kernel
+from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
@@ -419,6 +419,7 @@ def test_staging_writes_layers_without_a_host_copy() -> None:
 def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp_path: Path) -> None:
     """kt-kernel's BF16 experts written back (GPU prefill without a host copy) are the
     checkpoint's: w13 = gate then up, w2 = down, in the order asked."""
+    skip_without_kernel("BF16")
     idx = fresh_layer_index()
     experts = random_experts(E, seed=41)
     write_kt_checkpoint(tmp_path, {idx: experts})

@@ -31,6 +31,8 @@ def instances(vllm_layer_context) -> dict[str, object]:
     return {
         "MoERunner": plain,
         "RoutedExperts": plain.routed_experts,
+        "ExpertMapManager": plain.routed_experts.expert_map_manager,
+        "FusedMoEConfig": plain.routed_experts.moe_config,
         "UnquantizedFusedMoEMethod": plain.routed_experts.quant_method,
         "FusedMoEMethodBase": plain.routed_experts.quant_method,
         "Fp8MoEMethod": fp8.quant_method,

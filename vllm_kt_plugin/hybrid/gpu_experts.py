@@ -64,7 +64,7 @@ def runs_raw_layout(native: FusedMoEMethodBase) -> bool:
 
 def kernel_of(native: FusedMoEMethodBase) -> str:
     """The native method and its unquantized backend, for messages."""
-    return f"{type(native).__name__} ({getattr(native, 'unquantized_backend', 'quantized')})"
+    return f"{type(native).__name__} ({unquantized_backend_name(native) or 'quantized'})"
 
 
 def native_experts_format(native: FusedMoEMethodBase) -> str:

@@ -38,6 +38,7 @@ from vllm_kt_plugin.hybrid.observers import RecordsRouting, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     fused_shared_experts,
+    native_moe_quant_config,
     native_view,
     routed_experts_of,
     set_local_num_experts,
@@ -365,9 +366,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig | None:
         if not self.placement.num_gpu_experts:
             return FusedMoEQuantConfig.make()
-        if self.native.moe_quant_config is None:
-            self.native.moe_quant_config = self.native.get_fused_moe_quant_config(layer)
-        return self.native.moe_quant_config
+        return native_moe_quant_config(self.native, layer)  # type: ignore[no-any-return]
 
     # --- forward -------------------------------------------------------------------------
 

@@ -29,6 +29,3 @@ class RoutingRecorder:
         self.cpu_evaluations[layer_idx] = self.cpu_evaluations.get(layer_idx, 0) + int(picks[~gpu_mask].sum())
         if layer_idx not in self.gpu_expert_ids:  # a layer's placement is fixed
             self.gpu_expert_ids[layer_idx] = torch.nonzero(gpu_mask).flatten().tolist()
-
-
-RECORDER = RoutingRecorder()

@@ -69,6 +69,24 @@ TOUCHES: tuple[Touch, ...] = (
         "num_fused_shared_experts > 0 where ROCm AITER fuses shared experts into the routed ones",
     ),
     Touch(
+        "vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager",
+        "num_fused_shared_experts",
+        "instance",
+        "shared experts fused into the routed ones (ROCm AITER), which kt-hybrid cannot split",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig",
+        "num_local_experts",
+        "instance",
+        "the native method sizes its weights by it when it creates them (set_local_num_experts)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig",
+        "moe_backend",
+        "instance",
+        "the kernel a shadow's native method picks (\"auto\" or a backend's name; bare_copy)",
+    ),
+    Touch(
         "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner",
         "routed_experts",
         "instance",
@@ -87,6 +105,12 @@ TOUCHES: tuple[Touch, ...] = (
         "None until the method has picked its modular kernel",
     ),
     Touch(
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase",
+        "moe_quant_config",
+        "instance",
+        "None until RoutedExperts._ensure_moe_quant_config_init fills it from get_fused_moe_quant_config",
+    ),
+    Touch(
         "vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod",
         "_init_moe_kernel",
         "owner",
@@ -103,6 +127,12 @@ TOUCHES: tuple[Touch, ...] = (
         "fp8_backend",
         "instance",
         "the chosen FP8 MoE kernel (TRITON runs the checkpoint's layout unchanged)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod",
+        "experts_cls",
+        "instance",
+        "the experts kernel class chosen in __init__ with fp8_backend (kernel_chosen)",
     ),
 )
 
@@ -265,6 +295,15 @@ def rebuild_moe_kernel(native: FusedMoEMethodBase, layer: RoutedExperts) -> tupl
     already in kernel format); returns (moe_quant_config, moe_kernel)."""
     native._init_moe_kernel(layer)  # type: ignore[attr-defined]
     return native.moe_quant_config, native.moe_kernel
+
+
+def native_moe_quant_config(native: FusedMoEMethodBase, layer: RoutedExperts) -> Any:
+    """The native method's FusedMoEQuantConfig, made once and kept where vLLM 0.32 keeps it:
+    ``RoutedExperts._ensure_moe_quant_config_init`` fills ``quant_method.moe_quant_config``,
+    but the layer's quant_method is kt-hybrid's, so we fill the native method's ourselves."""
+    if native.moe_quant_config is None:
+        native.moe_quant_config = native.get_fused_moe_quant_config(layer)
+    return native.moe_quant_config
 
 
 def use_moe_kernel(native: FusedMoEMethodBase, kernel: tuple[Any, Any]) -> None:
