@@ -79,3 +79,47 @@ def test_a_preset_for_another_model_warns_in_both(
     assert served, caplog.text
     warned = [d for d in run_checks(env, read_system(), model) if d.check == "serve"]
     assert [d.level for d in warned] == [WARN] and warned[0].reason in served[0], (warned, served)
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# (checkpoint's quantization_config, KT_METHOD, a GPU here, what serve says of KT_GPU_PREFILL_MIN_TOKENS=64)
+STAGING = [
+    (None, "AMXINT4", False, None),  # unquantized: staged from a host copy, on any device
+    (GPTQ, "AMXINT4", True, "this checkpoint's experts are quantized"),
+    (BLOCK_FP8, "FP8", True, None),  # kt-kernel's FP8 writes them back, under CUDA
+    (BLOCK_FP8, "FP8", False, "a CUDA device, not cpu"),
+    (BLOCK_FP8, "AMXINT4", True, "KT_METHOD=FP8"),
+]
+
+
+@pytest.mark.parametrize(("quant", "method", "has_gpu", "refusal"), STAGING)
+def test_a_fixed_gpu_prefill_threshold_is_refused_where_nothing_can_be_staged(
+    quant: dict | None, method: str, has_gpu: bool, refusal: str | None
+) -> None:
+    """Refused at config time (serve's API-server process, doctor), by the rule each layer
+    applies again on the kernel vLLM chose; auto and 0 are never refused here."""
+    from vllm_kt_plugin.settings.variables import KTSettings
+    from vllm_kt_tools.bench.shapes import SHAPES
+
+    config = {**SHAPES["qwen3-30b-a3b"], **({"quantization_config": quant} if quant else {})}
+    experts = config["num_experts"]
+    for threshold in ("auto", "0"):
+        lenient = KTSettings.from_env(
+            {"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": threshold}, cores=4, numa_nodes=1
+        )
+        serve_checks.check_gpu_prefill(lenient, config, experts, has_gpu=has_gpu)
+    fixed = KTSettings.from_env({"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1)
+    if refusal is None:
+        serve_checks.check_gpu_prefill(fixed, config, experts, has_gpu=has_gpu)
+        return
+    with pytest.raises(KTConfigError) as refused:
+        serve_checks.check_gpu_prefill(fixed, config, experts, has_gpu=has_gpu)
+    assert (refused.value.variable, refused.value.value) == ("KT_GPU_PREFILL_MIN_TOKENS", "64")
+    assert refusal in str(refused.value), refused.value
+    all_on_gpu = KTSettings.from_env(
+        {"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": "64", "KT_NUM_GPU_EXPERTS": str(experts)},
+        cores=4,
+        numa_nodes=1,
+    )
+    serve_checks.check_gpu_prefill(all_on_gpu, config, experts, has_gpu=has_gpu)  # no CPU experts to stage

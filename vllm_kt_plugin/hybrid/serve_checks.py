@@ -24,6 +24,7 @@ from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
 from vllm_kt_plugin.settings.presets import load_preset
+from vllm_kt_plugin.settings.staging import staging_refusal
 from vllm_kt_plugin.settings.variables import KTSettings, numa_node_count, usable_cores
 
 if TYPE_CHECKING:
@@ -93,8 +94,25 @@ def check_model(
             f"a number from 0 to {num_experts}, or auto with KT_GPU_MEMORY_GB set to the GPU size",
         )
     check_plan(settings, config, num_experts)
+    check_gpu_prefill(settings, config, num_experts, has_gpu=platform_has_gpu() if has_gpu is None else has_gpu)
     backend.check_model(settings, model, config)
     return [warning for warning in [preset_mismatch(settings, config)] if warning]
+
+
+def check_gpu_prefill(settings: KTSettings, config: Mapping[str, Any], num_experts: int, *, has_gpu: bool) -> None:
+    """A fixed KT_GPU_PREFILL_MIN_TOKENS on a checkpoint whose experts GPU prefill cannot
+    stage (``settings.staging``, from the checkpoint's format and this platform; each layer
+    applies the same rule again on the kernel vLLM chose, ``gpu_prefill_path``)."""
+    threshold = settings.gpu_prefill_min_tokens
+    if not threshold or (not settings.gpu_experts_auto and settings.num_gpu_experts >= num_experts):
+        return  # auto decides per layer, 0 is off; no CPU experts: nothing to stage
+    try:
+        memory = estimate_model_memory(config)
+    except ModelConfigError:
+        return  # the layer checks it
+    refusal = staging_refusal(memory.checkpoint_format, settings.method or "", device="cuda" if has_gpu else "cpu")
+    if refusal is not None:
+        raise KTConfigError("KT_GPU_PREFILL_MIN_TOKENS", str(threshold), refusal, "0 (off) for this checkpoint")
 
 
 def preset_mismatch(settings: KTSettings, config: Mapping[str, Any]) -> str | None:
