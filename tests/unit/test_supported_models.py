@@ -31,6 +31,10 @@ def test_every_registry_moe_architecture_has_a_status() -> None:
     rows = {row.architecture: row for row in supported_models.rows()}
     assert {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"} <= set(rows)
     assert "LlamaForCausalLM" not in rows and "Qwen3ForCausalLM" not in rows  # dense
+    # Modules that build no MoE layer of their own but reuse another's (a multimodal wrapper,
+    # a variant) are rows too, named with the module they reuse.
+    assert "`qwen3_moe`" in rows["Qwen3VLMoeForConditionalGeneration"].detail
+    assert "`granitemoe`" in rows["GraniteMoeSharedForCausalLM"].detail
     assert {r.status for r in rows.values()} == {
         supported_models.SERVED,
         supported_models.REFUSED,

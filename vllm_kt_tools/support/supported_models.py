@@ -3,9 +3,11 @@ and what kt-hybrid does with it: served (and the test that checks it), refused a
 time (with the line the user reads), or not checked.
 
 An architecture counts as MoE where its own model module builds vLLM's fused-MoE layer
-(``FusedMoE(``, ``SharedFusedMoE(``, ``FusedMoEFactory(``); wrappers that reuse another
-module's MoE model (multimodal, MTP drafts) are covered by the row of that module's
-architecture; of vLLM's Transformers backend, the classes named MoE. The table is
+(``FusedMoE(``, ``SharedFusedMoE(``, ``FusedMoEFactory(``), or imports from a module that
+does (multimodal wrappers, MTP drafts, variants such as Qwen3.5-MoE: their rows name the
+module whose MoE layers they reuse); of vLLM's Transformers backend, the classes named MoE.
+Which placements each served architecture runs with is read from the end-to-end test's
+``BF16_RUNS``, so the table cannot claim a run the tests do not make. The table is
 written into README.md (served and refused rows) and docs/supported_models.md (every
 row); ``tests/unit/test_supported_models.py`` checks both equal what this module
 generates. Regenerate with ``python -m vllm_kt_tools.support.supported_models``.
@@ -13,6 +15,7 @@ generates. Regenerate with ``python -m vllm_kt_tools.support.supported_models``.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -25,20 +28,35 @@ from vllm_kt_tools.support.tiny_models import ARCHITECTURES
 ROOT = Path(__file__).resolve().parents[2]
 README_START, README_END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 _MOE_LAYER = re.compile(r"\b(?:Shared)?FusedMoE\w*\(")
+_RELATIVE_IMPORT = re.compile(r"^from \.(\w+) import", re.MULTILINE)
+_E2E_TESTS = ROOT / "tests" / "engine" / "test_engine_e2e.py"
 
 SERVED, REFUSED, NOT_CHECKED = "served", "refused at config time", "not checked"
 # How the served architectures are checked (tiny models trained on the spot, vLLM's CPU build
 # in CI): tests/engine/test_engine_e2e.py, greedy tokens against plain vLLM on the same checkpoint.
 _BF16_CHECK = "greedy tokens equal plain vLLM's with kt-kernel BF16 CPU experts"
+_PLACEMENTS = {"half on CPU": "half", "all on CPU": "all", "one GPU expert": "all but one (the split forced)"}
+# What else the tests check per architecture (test files under tests/engine/).
 _CHECKS = {
-    "qwen3_moe": f"{_BF16_CHECK} (half, all, all but one expert on the CPU); deferral, dynamic "
-    "experts, AMXINT8, tensor parallelism, block-FP8/GPTQ checkpoints (GPU)",
-    "mixtral": f"{_BF16_CHECK} (half on the CPU); online AMXINT8/AMXINT4 within their bounds",
-    "deepseek_v3": f"{_BF16_CHECK} (half, all on the CPU); dynamic experts, tensor parallelism, block-FP8 and "
-    "compressed-tensors INT4 checkpoints (GPU)",
-    "glm4_moe": f"{_BF16_CHECK} (half on the CPU); exact in float32 with the torch backend",
-    "qwen2_moe": f"{_BF16_CHECK} (half on the CPU); exact in float32 with the torch backend",
+    "qwen3_moe": "deferral, dynamic experts, AMXINT8, tensor parallelism, block-FP8/GPTQ checkpoints (GPU)",
+    "mixtral": "online AMXINT8/AMXINT4 within their bounds",
+    "deepseek_v3": "dynamic experts, tensor parallelism, block-FP8 and compressed-tensors INT4 checkpoints (GPU)",
+    "glm4_moe": "exact in float32 with the torch backend",
+    "qwen2_moe": "exact in float32 with the torch backend",
 }
+
+
+def bf16_runs() -> list[tuple[str, str]]:
+    """The end-to-end test's ``BF16_RUNS`` (arch, placement), read from its source."""
+    for node in ast.parse(_E2E_TESTS.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BF16_RUNS" for t in node.targets):
+            return [tuple(run) for run in ast.literal_eval(node.value)]
+    raise LookupError(f"{_E2E_TESTS} has no BF16_RUNS")
+
+
+def how_checked(model_type: str) -> str:
+    placements = [_PLACEMENTS[placement] for arch, placement in bf16_runs() if arch == model_type]
+    return f"{_BF16_CHECK}, experts on the CPU: {', '.join(placements)}; {_CHECKS[model_type]}"
 
 
 @dataclass(frozen=True)
@@ -64,10 +82,32 @@ def _source(module: str) -> str:
 
 
 def moe_architectures() -> dict[str, str]:
-    """Architecture -> its module, for every registry entry whose module builds fused-MoE layers."""
+    """Architecture -> its module, for every registry entry whose module builds fused-MoE
+    layers or reuses those of a module that does."""
     from vllm.model_executor.models.registry import _VLLM_MODELS  # the registry's own table
 
-    return {arch: module for arch, (module, cls) in sorted(_VLLM_MODELS.items()) if _is_moe(module, cls)}
+    return {
+        arch: module
+        for arch, (module, cls) in sorted(_VLLM_MODELS.items())
+        if _is_moe(module, cls) or reused_moe_modules(module)
+    }
+
+
+@cache
+def _builds_moe() -> frozenset[str]:
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    return frozenset(
+        module for module, cls in _VLLM_MODELS.values() if module != "transformers" and _is_moe(module, cls)
+    )
+
+
+def reused_moe_modules(module: str) -> list[str]:
+    """The registry modules that build fused-MoE layers and ``module`` imports from, where
+    it builds none itself (a wrapper, a draft, a variant)."""
+    if module == "transformers" or module in _builds_moe():
+        return []
+    return sorted(set(_RELATIVE_IMPORT.findall(_source(module))) & _builds_moe())
 
 
 def _is_moe(module: str, cls: str) -> bool:
@@ -89,11 +129,13 @@ def rows() -> list[Row]:
     for arch, module in moe_architectures().items():
         refusal = architecture_refusal({"architectures": [arch]})
         if arch in served:
-            result.append(Row(arch, module, SERVED, f"tiny `{served[arch]}`: {_CHECKS[served[arch]]}"))
+            result.append(Row(arch, module, SERVED, f"tiny `{served[arch]}`: {how_checked(served[arch])}"))
         elif refusal is not None:
             result.append(Row(arch, module, REFUSED, refusal.split(": ", 1)[1]))
         else:
-            result.append(Row(arch, module, NOT_CHECKED, ""))
+            reused = reused_moe_modules(module)
+            detail = f"reuses the MoE layers of {', '.join(f'`{m}`' for m in reused)}" if reused else ""
+            result.append(Row(arch, module, NOT_CHECKED, detail))
     return result
 
 
@@ -131,8 +173,8 @@ def docs_page() -> str:
             "# Supported models",
             "",
             f"Every MoE architecture in the model registry of vLLM {vllm.__version__} (an architecture whose model "
-            "module builds vLLM's fused-MoE layer; multimodal and MTP wrappers follow the row of the text model "
-            f"they reuse): {counts[SERVED]} served, {counts[REFUSED]} refused at config time, "
+            "module builds vLLM's fused-MoE layer, or reuses those of a module that does: multimodal wrappers, MTP "
+            f"drafts, variants): {counts[SERVED]} served, {counts[REFUSED]} refused at config time, "
             f"{counts[NOT_CHECKED]} not checked.",
             "",
             "- **served**: a tiny model of the architecture, trained on the spot, gives plain vLLM's greedy tokens "
