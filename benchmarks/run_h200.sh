@@ -20,14 +20,17 @@
 #   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, 1.2 GB of files each; DYNAMIC_GPU_EXPERTS
 #                 per layer; GPU prefill off in both), static placement vs KT_DYNAMIC_GPU_EXPERTS=1 -> DYNAMIC_JSON;
 #                 DYNAMIC_DECODE_TOKENS (128) replaces BENCH_ARGS' --decode-tokens there
-#   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s
+#   gpu-tests     GPU_TEST_FILES with pytest -k GPU_TESTS, capped at GPU_TESTS_TIMEOUT s -> GPU_TESTS_JSON
+#                 (h200_gpu_tests.json: each test's id, outcome and printed drift, from the JUnit XML)
 #   restart-test  needs AMX kernels, which CI's CPUs lack
 #   bench         BENCH_SYSTEMS x METHODS, then the first method with GPU prefill off (unless
 #                 PREFILL_OFF_CHECK=0) and with BENCH_VARIANTS (NAME:KT_A=1[,KT_B=2] each) -> BENCH_JSON
 #   peers         issue 27's peers at the same 17 GiB: PEER_SYSTEMS (vllm-offload-experts, the prefetch
 #                 offloader's sweep PREFETCH_SWEEP) -> --append to BENCH_JSON; its prefetch_sweep.chosen
 #                 names the point for the load stage (PREFETCH_POINT=GROUP:STEP)
-#   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve` (sglang-kt: its own server under
+#   (bench and load time bare kt-kernel first, --kernel-sweep, unless KERNEL_SWEEP=0)
+#   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`, 1000 requests at 64 each
+#                 (OFFLOAD_LOAD=N:C: fewer for vLLM's offloaders; sglang-kt: its own server under
 #                 SGLANG_PYTHON, from benchmarks/sglang-bundle.sh, reading the AMX experts `prepare` made)
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
@@ -62,6 +65,9 @@ wants() { [[ " ${STAGES//&/} " == *" $1 "* ]]; }
 # shellcheck disable=SC2206 - BENCH_ARGS is a list of arguments
 BENCH=(python3 -m vllm_kt_tools.cli.main bench --shape qwen3-30b-a3b --gpu-weight-gb 17 --workdir /root/bench-work
        ${BENCH_ARGS:-})
+# Every engine or load sitting times bare kt-kernel first (--kernel-sweep): host speed beside its figures
+SWEEP=(--kernel-sweep)
+[ "${KERNEL_SWEEP:-1}" = 0 ] && SWEEP=()
 FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}"
      --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json")
 
@@ -106,11 +112,16 @@ run_dynamic_bench() {  # dummy weights route almost uniformly: the traffic has l
   "${DYNAMIC[@]}" --variant dynamic:KT_DYNAMIC_GPU_EXPERTS=1 > "$BENCH_OUT/dynamic-bench.log" 2>&1
 }
 
-run_gpu_tests() {
-  # shellcheck disable=SC2086 - GPU_TEST_FILES is a list of paths
-  timeout "${GPU_TESTS_TIMEOUT:-1800}" python3 -m pytest -m gpu ${GPU_TEST_FILES:-tests/engine/test_gpu.py \
-      tests/engine/test_ray_gpu.py tests/engine/test_quantized_gpu.py} -k "${GPU_TESTS:-}" -v -s -rs \
-      -p no:cacheprovider > "$BENCH_OUT/gpu-tests.log" 2>&1
+run_gpu_tests() {  # the log, and the committed summary: ids, outcomes, the drift each test printed
+  local files=${GPU_TEST_FILES:-tests/engine/test_gpu.py tests/engine/test_ray_gpu.py tests/engine/test_quantized_gpu.py}
+  # shellcheck disable=SC2086 - files is a list of paths
+  local command=(python3 -m pytest -m gpu $files -k "${GPU_TESTS:-}" -v -rA -p no:cacheprovider
+                 --junitxml="$BENCH_OUT/gpu-tests.xml" -o junit_logging=system-out)
+  timeout "${GPU_TESTS_TIMEOUT:-1800}" "${command[@]}" > "$BENCH_OUT/gpu-tests.log" 2>&1
+  local status=$?
+  python3 -m vllm_kt_tools.bench.pytest_summary "$BENCH_OUT/gpu-tests.xml" --command "${command[*]}" \
+      --out "$BENCH_OUT/${GPU_TESTS_JSON:-h200_gpu_tests.json}" >> "$BENCH_OUT/gpu-tests.log" 2>&1
+  return $status
 }
 
 run_restart_test() {
@@ -126,7 +137,7 @@ run_bench() {
   [ "${PREFILL_OFF_CHECK:-1}" = 0 ] && off_check=()  # e.g. off everywhere (--kt-env) and a variant turns it on
   # shellcheck disable=SC2086 - BENCH_RUN_ARGS is a list of arguments (this stage's only)
   "${BENCH[@]}" --systems "${BENCH_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" --methods "${METHODS:-AMXINT4,AMXINT8}" \
-      "${off_check[@]}" "${variants[@]}" "${skip_layer[@]}" ${BENCH_RUN_ARGS:-} \
+      "${off_check[@]}" "${variants[@]}" "${skip_layer[@]}" "${SWEEP[@]}" ${BENCH_RUN_ARGS:-} \
       --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/bench.log" 2>&1
 }
 
@@ -136,10 +147,11 @@ run_peers() {
       --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/peers.log" 2>&1
 }
 
-run_load() {
+run_load() {  # every system the same load (OFFLOAD_LOAD=N:C gives vLLM's offloaders a shorter one, recorded)
+  # shellcheck disable=SC2086 - SGLANG_SWEEP and OFFLOAD_LOAD add their flags where set
   "${BENCH[@]}" --methods AMXINT4 --systems "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" \
-      --prefetch-sweep "${PREFETCH_POINT:-48:1}" ${SGLANG_SWEEP:+--sglang-sweep} \
-      --load 1000:64 --offload-load "${OFFLOAD_LOAD:-200:64}" \
+      --prefetch-sweep "${PREFETCH_POINT:-48:1}" ${SGLANG_SWEEP:+--sglang-sweep} "${SWEEP[@]}" \
+      --load 1000:64 ${OFFLOAD_LOAD:+--offload-load $OFFLOAD_LOAD} \
       --load-input-len 128 --load-output-len 16 \
       --out "$BENCH_OUT/${LOAD_JSON:-h200_load_qwen3_30b_a3b.json}" > "$BENCH_OUT/load-bench.log" 2>&1
 }

@@ -259,6 +259,20 @@ def test_kernel_sweep_only_before_engines() -> None:
             run_sitting(args("--kernel-sweep", mode))
 
 
+def test_a_load_sitting_sweeps_the_kernel_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sitting carries its host's speed: --kernel-sweep with --load times bare
+    kt-kernel before the first server starts (the sweep and the load stand in here)."""
+    from vllm_kt_tools.cli import bench
+
+    order: list[str] = []
+    monkeypatch.setattr(bench, "host_info", lambda: {})
+    monkeypatch.setattr(bench, "sweep_kernels", lambda runs, report, log_dir, a: order.append("sweep"))
+    monkeypatch.setattr(bench, "run_load", lambda a, runs, report, log_dir: order.append("load") or report)
+    argv = ("--kernel-sweep", "--load", "10:2", "--systems", "kt-hybrid", "--workdir", str(tmp_path))
+    bench.run_sitting(args(*argv, "--out", str(tmp_path / "load.json")))
+    assert order == ["sweep", "load"]
+
+
 def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) -> None:
     """--kernel-sweep: each MoE layer's own CPU experts (from the cache an engine reads),
     timed per layer at batch 1 and 16, beside one layer called with one routing."""

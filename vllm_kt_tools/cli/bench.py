@@ -44,9 +44,10 @@ from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     if args.split_curve and not args.layer_only:
         raise SystemExit("--split-curve times layers alone: use it with --layer-only")
-    if args.kernel_sweep and (args.prepare_only or args.load or args.layer_only):
+    if args.kernel_sweep and (args.prepare_only or args.layer_only):
         raise SystemExit(
-            "--kernel-sweep times kt-kernel before a sitting's engines: not with --prepare-only, --load or --layer-only"
+            "--kernel-sweep times kt-kernel before a sitting's engines (or servers, with --load): not with "
+            "--prepare-only or --layer-only"
         )
     workdir = Path(args.workdir).expanduser()
     log_dir = workdir / "logs"
@@ -82,12 +83,12 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         continue_sitting(report, Path(args.out))
     if args.prepare_only:
         return prepare_runs(runs, hf_config, report)
-    if args.load:
-        return run_load(args, runs, report, log_dir)
     if args.layer_only:
         return run_layer_only(runs, report, workdir, args)
-    if args.kernel_sweep:
+    if args.kernel_sweep:  # every sitting's host speed beside its figures, engines or servers
         sweep_kernels(runs, report, log_dir, args)
+    if args.load:
+        return run_load(args, runs, report, log_dir)
     if SGLANG_PEER in system_order(args):  # said, not silently skipped
         report["not_measured"] = {SGLANG_PEER: "engine-mode figures are not built for sglang-kt; it runs under --load"}
         print(f"[bench] {SGLANG_PEER}: {report['not_measured'][SGLANG_PEER]}", flush=True)
