@@ -32,6 +32,9 @@
 #   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`, 1000 requests at 64 each
 #                 (OFFLOAD_LOAD=N:C: fewer for vLLM's offloaders; sglang-kt: its own server under
 #                 SGLANG_PYTHON, from benchmarks/sglang-bundle.sh, reading the AMX experts `prepare` made)
+#   server-engine the engine workload (decode at batch 1 and 16, 8 x 1,024, one 16K prompt) through each of
+#                 SERVER_ENGINE_SYSTEMS' servers (kt-hybrid behind `vllm serve`, sglang-kt behind its own under
+#                 SGLANG_PYTHON): sglang-kt's only way to those figures -> SERVER_ENGINE_JSON
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
 #   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
@@ -154,6 +157,13 @@ run_load() {  # every system the same load (OFFLOAD_LOAD=N:C gives vLLM's offloa
       --load 1000:64 ${OFFLOAD_LOAD:+--offload-load $OFFLOAD_LOAD} \
       --load-input-len 128 --load-output-len 16 \
       --out "$BENCH_OUT/${LOAD_JSON:-h200_load_qwen3_30b_a3b.json}" > "$BENCH_OUT/load-bench.log" 2>&1
+}
+
+run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head to head's decode and prefills
+  # shellcheck disable=SC2086 - SGLANG_SWEEP adds its flag where set
+  "${BENCH[@]}" --methods AMXINT4 --systems "${SERVER_ENGINE_SYSTEMS:-kt-hybrid,sglang-kt}" --server-engine \
+      ${SGLANG_SWEEP:+--sglang-sweep} "${SWEEP[@]}" \
+      --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" > "$BENCH_OUT/server-engine.log" 2>&1
 }
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU

@@ -532,8 +532,8 @@ def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest
     sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
     bench_args = args("--systems", "kt-hybrid,sglang-kt", "--methods", "AMXINT4", "--sglang-sweep")
     runs = plan_runs(bench_args, str(model), "dummy", sizes)
-    report: dict = {"load": {}}
-    configs = sglang_configs(bench_args, runs, report)
+    section: dict = {}
+    configs = sglang_configs(bench_args, runs, section)
     assert len(configs) == 4
     shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
     folder = str(prepared_amx_folder(str(tmp_path), str(model), "AMXINT4", shape))
@@ -541,6 +541,7 @@ def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest
     assert {(c.method, c.num_gpu_experts, c.weight_path, c.cpuinfer) for c in configs} == {
         ("AMXINT4", 33, folder, threads)
     }
-    assert report["load"]["sglang_kt"]["weight_path"] == folder
+    assert section["sglang_kt"]["weight_path"] == folder
+    assert len({c.name for c in configs}) == 4  # each point's logs and JSON entry go by it
     with pytest.raises(SystemExit, match="kt-hybrid"):
-        sglang_configs(args("--systems", "sglang-kt"), [], report)
+        sglang_configs(args("--systems", "sglang-kt"), [], section)

@@ -128,13 +128,19 @@ def load_run(spec: RunSpec, load: Load) -> dict[str, Any]:
     return measure_load(server, name, spec.model, result, load)
 
 
+def sglang_server(config: SglangKt, context_length: int, log_path: Path) -> VLLMServer:
+    """sglang-kt's own server (its Python, ``SGLANG_PYTHON``), started and stopped as
+    ``vllm serve`` is (its ``/health`` answers the same way)."""
+    server = VLLMServer(config.model, [], env={}, log_path=log_path)
+    server.command = replace(config, port=server.port, context_length=context_length).command()
+    return server
+
+
 def sglang_load_run(config: SglangKt, load: Load) -> dict[str, Any]:
-    """sglang-kt's own server (its Python, ``SGLANG_PYTHON``) under the same ``vllm bench serve``
-    (its OpenAI-compatible completions endpoint). Written for the GPU host; never run here."""
-    name = f"load-{SGLANG_PEER}-t{config.gpu_prefill_token_threshold}-d{config.max_deferred_experts_per_token}"
-    server = VLLMServer(config.model, [], env={}, log_path=load.log_dir / f"{name}-serve.log")
-    config = replace(config, port=server.port, context_length=load.max_model_len)
-    server.command = config.command()
+    """sglang-kt's server under the same ``vllm bench serve`` (its OpenAI-compatible
+    completions endpoint). Written for the GPU host; never run here."""
+    name = f"load-{config.name}"
+    server = sglang_server(config, load.max_model_len, load.log_dir / f"{name}-serve.log")
     result: dict[str, Any] = {"system": SGLANG_PEER, "method": config.method, "command": server.command}
     return measure_load(server, name, config.model, result, load)
 

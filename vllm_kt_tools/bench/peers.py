@@ -148,6 +148,11 @@ class SglangKt:
     context_length: int = 16384 + 64
     max_running_requests: int = 64
 
+    @property
+    def name(self) -> str:
+        """Tells the points of a sweep apart (logs, JSON)."""
+        return f"{SGLANG_PEER}-t{self.gpu_prefill_token_threshold}-d{self.max_deferred_experts_per_token}"
+
     def command(self, python: str | None = None) -> list[str]:
         python = python or sglang_python()
         return [

@@ -15,16 +15,17 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
 from vllm_kt_tools.bench.engine_child import run_in_child
-from vllm_kt_tools.bench.engine_runs import RunSpec, plan_runs, system_order
+from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec, plan_runs, system_order
 from vllm_kt_tools.bench.host import host_info
 from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
-from vllm_kt_tools.bench.load_runs import Load, load_run, sglang_load_run
+from vllm_kt_tools.bench.load_runs import Load, load_run, serve_args, sglang_load_run, sglang_server
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
@@ -35,10 +36,12 @@ from vllm_kt_tools.bench.peers import (
     sglang_sweep,
 )
 from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
+from vllm_kt_tools.bench.server_engine import ServerWorkload, server_engine_run
 from vllm_kt_tools.bench.shapes import CHECKPOINTS, SHAPES, ModelSizes, model_sizes, prepare_model
 from vllm_kt_tools.bench.split_curve import split_curve_in_child
 from vllm_kt_tools.support.engine_lock import engine_lock
 from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
+from vllm_kt_tools.support.server import VLLMServer
 
 
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +92,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         sweep_kernels(runs, report, log_dir, args)
     if args.load:
         return run_load(args, runs, report, log_dir)
+    if args.server_engine:
+        return run_server_engine(args, runs, report, log_dir)
     if SGLANG_PEER in system_order(args):  # said, not silently skipped
         report["not_measured"] = {SGLANG_PEER: "engine-mode figures are not built for sglang-kt; it runs under --load"}
         print(f"[bench] {SGLANG_PEER}: {report['not_measured'][SGLANG_PEER]}", flush=True)
@@ -218,15 +223,59 @@ def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, An
         report["load"]["runs"].append(load_run(spec, load_of(args.offload_load if slow else args.load)))
         save(report, args.out)
     if SGLANG_PEER in system_order(args):
-        for config in sglang_configs(args, runs, report):
+        for config in sglang_configs(args, runs, report["load"]):
             report["load"]["runs"].append(sglang_load_run(config, load_of(args.load)))
             save(report, args.out)
     return report
 
 
-def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any]) -> list[SglangKt]:
+def run_server_engine(
+    args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path
+) -> dict[str, Any]:
+    """--server-engine: the engine workload (decode at batch 1 and 16, 8 x 1,024, one long
+    prompt) through each system's server: vLLM's systems and kt-hybrid behind `vllm serve`,
+    sglang-kt behind its own (bench/server_engine.py says why)."""
+    if not runs:
+        raise SystemExit(f"--server-engine: no system to measure (--systems {args.systems})")
+    model = runs[0].model
+    config = json.loads((Path(model) / "config.json").read_text())
+    max_model_len = min(LONG_PROMPT_TOKENS + 64, int(config.get("max_position_embeddings") or 2048))
+    work = ServerWorkload(
+        vocab=config["vocab_size"],
+        max_model_len=max_model_len,
+        decode_tokens=args.decode_tokens,
+        timeout_s=args.timeout,
+    )
+    section: dict[str, Any] = {"workload": asdict(work), "runs": []}
+    report["server_engine"] = section
+    for spec in runs:
+        if spec.enforce_eager:
+            continue
+        server = VLLMServer(
+            spec.model,
+            serve_args(spec, max_model_len),
+            env=spec.env,
+            log_path=log_dir / f"server-{spec.name}-serve.log",
+        )
+        result: dict[str, Any] = {"system": spec.system, "method": spec.method}
+        for key in ("variant", "env", "cpu_offload_gb", "engine_args"):
+            if getattr(spec, key):
+                result[key] = getattr(spec, key)
+        section["runs"].append(server_engine_run(server, f"server-{spec.name}", result, work))
+        save(report, args.out)
+    if SGLANG_PEER in system_order(args):
+        for sglang in sglang_configs(args, runs, section):
+            server = sglang_server(sglang, max_model_len, log_dir / f"server-{sglang.name}-serve.log")
+            result = {"system": SGLANG_PEER, "method": sglang.method, "variant": sglang.name, "command": server.command}
+            section["runs"].append(server_engine_run(server, f"server-{sglang.name}", result, work))
+            save(report, args.out)
+    return report
+
+
+def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], section: dict[str, Any]) -> list[SglangKt]:
     """sglang-kt as kt-hybrid's first run is set up: its model dir, kt-kernel method, CPU
-    threads and GPU experts per layer, reading the AMX experts --prepare-only made for it."""
+    threads and GPU experts per layer, reading the AMX experts --prepare-only made for it
+    (recorded in ``section``: the load's or the server engine's)."""
     from vllm_kt_plugin.settings.loader import load_settings
 
     hybrid = next((spec for spec in runs if spec.system == "kt-hybrid"), None)
@@ -246,7 +295,7 @@ def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], report: dict[s
         threadpool_count=settings.threadpool_count,
         num_gpu_experts=int(hybrid.env["KT_NUM_GPU_EXPERTS"]),
     )
-    report["load"]["sglang_kt"] = {"weight_path": weight_path, "sweep": args.sglang_sweep}
+    section["sglang_kt"] = {"weight_path": weight_path, "sweep": args.sglang_sweep}
     return sglang_sweep(base) if args.sglang_sweep else [base]
 
 
@@ -362,6 +411,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve`",
     )
     parser.add_argument(
+        "--server-engine",
+        action="store_true",
+        help="instead of vLLM's LLM: the engine workload through each system's server (/v1/completions), "
+        "sglang-kt included (its only way in)",
+    )
+    parser.add_argument(
         "--offload-load",
         type=_load_spec,
         metavar="PROMPTS:CONCURRENCY",
@@ -407,7 +462,14 @@ def run(args: argparse.Namespace) -> int:
         return 0 if "error" not in report["split_curve" if args.split_curve else "layer_benchmark"] else 1
     if args.prepare_only:
         return 0
-    runs = report["load"]["runs"] if args.load else report["runs"]  # a load sitting fills only its own
+    # a load or server-engine sitting fills only its own runs
+    runs = (
+        report["load"]["runs"]
+        if args.load
+        else report["server_engine"]["runs"]
+        if args.server_engine
+        else report["runs"]
+    )
     failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
     return 0 if runs and not failed else 1
 

@@ -1,0 +1,40 @@
+"""``vllm-kt bench --server-engine`` end to end on vLLM's CPU build: kt-hybrid behind
+``vllm serve`` (the tiny Qwen3-MoE, kt-kernel BF16 CPU experts), the engine workload sent
+through ``/v1/completions``, the way sglang-kt is measured beside it on the GPU host
+(``bench/server_engine.py``). Times on this build mean nothing; checked: every figure was
+measured (each request generated the tokens it asked for, or the run records an error),
+and the JSON is the tool's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from kt_testing.engines import clean_env
+
+from vllm_kt_tools.cli.bench import add_arguments, run_sitting
+
+FIGURES = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "prefill_long_tok_s")
+
+
+def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
+    tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_model("qwen3_moe")
+    for name, value in clean_env(KT_CPUINFER="1").items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "server.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", str(model), "--systems", "kt-hybrid", "--methods", "BF16", "--gpu-weight-gb", "0.05"]
+    argv += ["--server-engine", "--decode-tokens", "8", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    report = run_sitting(parser.parse_args(argv))
+    section = report["server_engine"]
+    [run] = section["runs"]
+    assert "error" not in run, run["error"]
+    assert run["system"] == "kt-hybrid" and run["method"] == "BF16" and run["via"] == "server"
+    assert all(run[figure] and run[figure] > 0 for figure in FIGURES), run
+    assert run["prefill_long_prompt_tokens"] == section["workload"]["max_model_len"] - 2  # the tiny model's 512
+    assert json.loads(out.read_text())["server_engine"] == json.loads(json.dumps(section))

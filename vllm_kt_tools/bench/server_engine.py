@@ -1,0 +1,145 @@
+"""The engine workload through a server (``vllm-kt bench --server-engine``): decode at
+batch 1 and 16, 8 prompts of 1,024 tokens and one long prompt, the same figures and
+formulas as ``engine_child.run_engine``, sent to a server's OpenAI-compatible
+``/v1/completions`` instead of vLLM's ``LLM``.
+
+Why a second way to measure the same thing: sglang-kt (KTransformers' SGLang) has no
+vLLM ``LLM`` to call, only its server, so the head-to-head decode and prefill figures of
+issue 27 come from its server; kt-hybrid (and any vLLM peer) behind ``vllm serve`` is
+measured the same way beside it, so both sides carry the same HTTP costs.
+
+Prompts are token ids (no tokenizer on either side), sampled at temperature 1 with
+``ignore_eos``; each request of a batch has its own seed, or the 16 copies of one prompt
+would sample alike and route like one token (``bench/routing.py``). Each response's
+``usage.completion_tokens`` is checked: a server that stopped early would inflate the rate.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_kt_tools.bench.engine_child import DECODE_REPEATS, decode_rate, decode_summary
+from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
+from vllm_kt_tools.bench.routing import TEMPERATURE
+
+if TYPE_CHECKING:
+    from vllm_kt_tools.support.server import VLLMServer
+
+SERVED_NAME = "bench"  # both servers are started with --served-model-name bench
+
+
+@dataclass(frozen=True)
+class ServerWorkload:
+    """What one server is asked: the engine mode's sizes (smaller in tests)."""
+
+    vocab: int
+    max_model_len: int
+    decode_tokens: int = 64
+    prefill_len: int = 1024
+    long_len: int = LONG_PROMPT_TOKENS
+    timeout_s: float = 1200.0
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+
+def complete(base_url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float) -> int:
+    """One sampled completion of ``max_tokens`` tokens; returns the tokens the server says
+    it generated."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": TEMPERATURE,
+        "seed": seed,
+        "ignore_eos": True,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        answer = json.loads(response.read())
+    return int(answer["usage"]["completion_tokens"])
+
+
+def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: int, timeout_s: float) -> float:
+    """Seconds for all ``prompts`` sent at once (one request each, seeds ``seed``,
+    ``seed + 1``, ...) to come back; each must have generated ``max_tokens``."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [
+            pool.submit(complete, base_url, prompt, max_tokens, seed + i, timeout_s) for i, prompt in enumerate(prompts)
+        ]
+        generated = [future.result() for future in futures]
+    seconds = time.perf_counter() - started
+    if any(n != max_tokens for n in generated):
+        raise RuntimeError(f"asked {max_tokens} tokens per request (ignore_eos), the server generated {generated}")
+    return seconds
+
+
+def measure(base_url: str, work: ServerWorkload) -> dict[str, Any]:
+    """The engine mode's figures (``engine_child.run_engine``'s keys) through ``base_url``."""
+    decode = work.decode_tokens
+
+    def rates(batch: int, seed: int) -> tuple[list[float], int]:
+        prompts = [random_prompt(32, work.vocab, seed)] * batch  # one prompt: only sampling sets them apart
+        timed_batch(base_url, prompts, 4, seed * 1000, work.timeout_s)  # warm-up
+        found: list[float] = []
+        discarded = 0
+        while len(found) < DECODE_REPEATS and discarded < DECODE_REPEATS:
+            short = timed_batch(base_url, prompts, decode, seed * 1000 + 100, work.timeout_s)
+            long = timed_batch(base_url, prompts, 2 * decode, seed * 1000 + 200, work.timeout_s)
+            rate = decode_rate(batch, decode, short, long)
+            if rate is None:
+                discarded += 1
+            else:
+                found.append(rate)
+        return found, discarded
+
+    rates_bs1, discarded_bs1 = rates(1, seed=1)
+    rates_bs16, discarded_bs16 = rates(16, seed=2)
+    prefill_len = min(work.prefill_len, work.max_model_len - 2)
+    prefill = [random_prompt(prefill_len, work.vocab, 30 + i) for i in range(8)]
+    timed_batch(base_url, prefill, 1, 3000, work.timeout_s)  # warm-up
+    prefill = [random_prompt(prefill_len, work.vocab, 40 + i) for i in range(8)]
+    prefill_s = timed_batch(base_url, prefill, 1, 4000, work.timeout_s)
+    long_len = min(work.long_len, work.max_model_len - 2)
+    timed_batch(base_url, [random_prompt(long_len, work.vocab, 5)], 1, 5000, work.timeout_s)  # warm-up
+    long_s = timed_batch(base_url, [random_prompt(long_len, work.vocab, 6)], 1, 6000, work.timeout_s)
+    return {
+        **decode_summary("decode_bs1", rates_bs1, discarded_bs1),
+        **decode_summary("decode_bs16", rates_bs16, discarded_bs16),
+        "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
+        "prefill_prompt_tokens": prefill_len,
+        "prefill_long_tok_s": round(long_len / long_s, 1),
+        "prefill_long_prompt_tokens": long_len,
+        "sampling": {"temperature": TEMPERATURE, "seed": "one per request"},
+        "via": "server",
+    }
+
+
+def server_engine_run(server: VLLMServer, name: str, result: dict[str, Any], work: ServerWorkload) -> dict[str, Any]:
+    """``measure`` against ``server`` once it answers, into ``result`` (an ``error`` where the
+    server did not start or a request failed: the sitting goes on with the next system)."""
+    print(f"[bench] {name}: its server, then the engine workload through /v1/completions", flush=True)
+    started = time.perf_counter()
+    try:
+        with server:
+            result.update(measure(server.base_url, work))
+    except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:  # urllib's errors are OSErrors
+        result["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+    outcome = result.get("error") or (
+        f"decode bs1 {result['decode_bs1_tok_s']} tok/s, bs16 {result['decode_bs16_tok_s']}, "
+        f"prefill {result['prefill_tok_s']}, long prompt {result['prefill_long_tok_s']}"
+    )
+    print(f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {outcome}", flush=True)
+    return result
