@@ -219,6 +219,32 @@ def test_unreadable_model_config(tmp_path: Path) -> None:
     assert any(v.check == "model" and v.level == ERROR and "config.json" in v.reason for v in verdicts)
 
 
+def test_a_model_name_is_read_as_vllm_serve_reads_it(tiny_model, tmp_path: Path) -> None:
+    """``vllm-kt doctor --model org/name``, as ``vllm serve org/name`` takes it: the config
+    comes from the Hugging Face cache (offline here: a cache laid out as the hub writes it),
+    and serve's checks run on it; a name found nowhere is one clear error."""
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--kt-test--tiny-qwen3" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model("qwen3_moe"), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_", "HF_"))}
+    env |= {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "KT_METHOD": "BF16"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+
+    def doctor_lines(model: str, **kt: str) -> list[str]:
+        command = [sys.executable, "-m", "vllm_kt_tools.cli.main", "doctor", "--model", model]
+        proc = subprocess.run(command, capture_output=True, text=True, env={**env, **kt}, timeout=300)
+        return proc.stdout.splitlines()
+
+    assert any(line.startswith("OK     serve") for line in doctor_lines("kt-test/tiny-qwen3"))
+    refused = [line for line in doctor_lines("kt-test/tiny-qwen3", KT_NUM_GPU_EXPERTS="16") if "serve" in line]
+    assert refused and refused[0].startswith("ERROR") and "KT_NUM_GPU_EXPERTS" in refused[0], refused
+    missing = [line for line in doctor_lines("kt-test/no-such-model") if line.split()[1:2] == ["model"]]
+    assert missing and missing[0].startswith("ERROR") and "kt-test/no-such-model" in missing[0], missing
+
+
 def test_doctor_command_on_this_machine() -> None:
     """The real command, reading this machine's /proc: the CPU verdict follows its flags,
     and the exit status follows the verdicts."""

@@ -210,13 +210,25 @@ def check_ram(
 
 
 def read_model_config(model_dir: str | None) -> tuple[dict[str, Any] | None, Diagnostic | None]:
+    """The model's config.json: from its folder, or, for a name as ``vllm serve`` takes it
+    (``deepseek-ai/DeepSeek-V3``), as vLLM resolves it (the Hugging Face cache, or the hub)."""
     if model_dir is None:
         return None, None
     path = Path(model_dir) / "config.json"
+    if path.exists() or Path(model_dir).is_dir():
+        try:
+            return json.loads(path.read_text()), None
+        except (OSError, json.JSONDecodeError) as e:
+            return None, Diagnostic("model", ERROR, f"cannot read {path}: {str(e).splitlines()[0]}")
+    from vllm.transformers_utils.config import get_config
+
     try:
-        return json.loads(path.read_text()), None
-    except (OSError, json.JSONDecodeError) as e:
-        return None, Diagnostic("model", ERROR, f"cannot read {path}: {str(e).splitlines()[0]}")
+        return get_config(model_dir, trust_remote_code=False).to_dict(), None
+    except Exception as e:  # vLLM and huggingface_hub raise many kinds: the first line says which
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, Diagnostic(
+            "model", ERROR, f"cannot read {model_dir}'s config (a folder, or a model name): {first}"
+        )
 
 
 def default_method(backend: str, model_config: Mapping[str, Any] | None) -> str | None:
