@@ -29,7 +29,7 @@ from vllm_kt_plugin.hybrid.gpu_experts import (
     native_is_stageable,
     runs_raw_layout,
 )
-from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
+from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK, HostExperts, StagingBuffers
 from vllm_kt_plugin.hybrid.metrics import GPU_PREFILL_PATH
 from vllm_kt_plugin.hybrid.vllm_compat import cpu_runs_block_fp8_moe, is_block_fp8
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
@@ -145,6 +145,13 @@ def check_fp8_copy(parts: LayerParts, refusal: str | None) -> None:
         why = f"it quantizes whole experts: one tensor-parallel rank, not {parts.moe.tp_size}"
     if why is None and parts.moe.device.type == "cpu" and not cpu_runs_block_fp8_moe():
         why = "vLLM's CPU build runs block-FP8 MoE only on AMX CPUs, and this one has no AMX"
+    widths = (parts.moe.hidden_dim, parts.moe.intermediate_size)
+    if why is None and parts.moe.device.type == "cpu" and any(width % FP8_BLOCK for width in widths):
+        # vLLM 0.32 refines narrower experts' blocks (64 x 64), which CPUExpertsFp8 does not take
+        why = (
+            f"vLLM's CPU build runs block-FP8 MoE with {FP8_BLOCK} x {FP8_BLOCK} blocks only, and this layer's "
+            f"experts are {widths[0]} x {widths[1]}"
+        )
     if why is not None:
         raise KTConfigError("KT_GPU_PREFILL_FP8_COPY", "1", why, "0 for this checkpoint")
 
