@@ -9,6 +9,7 @@ import pytest
 from kt_testing.engines import (
     DEFERRAL_DRIFT_BOUND,
     DEFERRAL_RAN,
+    DEFERRAL_SPLIT_DRIFT_BOUND,
     PREFILL_RAN,
     PROMPTS,
     SPLIT_RAN,
@@ -23,7 +24,7 @@ from kt_testing.engines import (
     logprob_drift,
     long_prompt,
 )
-from kt_testing.hardware import requires_kernel
+from kt_testing.hardware import kernel_family, requires_kernel
 
 pytestmark = pytest.mark.engine
 
@@ -175,30 +176,40 @@ def test_dropping_the_cpu_experts_changes_the_tokens(tiny_model, tmp_path: Path)
         assert_same_greedy_tokens(got, expected)
 
 
-# Online AMX quantization against plain vLLM: (arch, method) -> (completions that may
-# differ of the six, chosen-token logprob drift of the short prompts' completions). The
-# drift counts every step: a completion that parts is compared past the difference by
-# teacher forcing. Measured on the 2-core dev box (AVX-512-BF16, no AMX: kt-kernel's
-# AVX-512 kernels), `pytest -s tests/engine/test_engine_e2e.py -k online_amx`, 2026-12-05:
-# Qwen3-MoE AMXINT8 (one GPU expert) 0 differ, drift 0.00071; Mixtral AMXINT8 0, 0.00008;
-# Mixtral AMXINT4 1 (the long prompt), 0.00031. The long prompt's drift, past the training
-# text where top twos nearly tie, is printed, not bounded (0.57, 0.0023, 0.19).
-# The margins cover what another machine's kernels round otherwise (AMX tiles accumulate in
-# another order), which we have not measured: about 10x the dev box's drift.
+# Online AMX quantization against plain vLLM, per kt-kernel kernel family (AMX tiles and
+# AVX-512 accumulate in another order, so each is measured): (arch, method, family) ->
+# (completions that may differ of the six, chosen-token logprob drift of the five short
+# prompts' completions, drift of the long one). The drift counts every step: a completion
+# that parts is compared past the difference by teacher forcing. The long prompt runs past the
+# training text, where top twos nearly tie, hence its own, larger figure.
+# Measured with `pytest -s tests/engine/test_engine_e2e.py -k online_amx` on 2-core dev boxes,
+# 2026-12-05 (differ / short / long):
+#   AVX-512 (avx512_bf16, no AMX): Qwen3-MoE AMXINT8 0 / 0.00071 / 0.57; Mixtral AMXINT8
+#     0 / 0.00008 / 0.0023; Mixtral AMXINT4 1 / 0.00031 / 0.19
+#   AMX (amx_bf16, amx_int8, avx512_fp16): Qwen3-MoE AMXINT8 1 (the long prompt) / 0.0129 /
+#     0.32; Mixtral AMXINT8 0 / 0.0016 / 0.0047; Mixtral AMXINT4 0 / 0.0050 / 0.038
+# Bounds: the measured count of differing completions (deterministic kernels on one host) and
+# twice each measured drift. A family not measured yet fails with the figures to add.
 AMX_ACCURACY_BOUNDS = {
-    ("qwen3_moe", "AMXINT8"): (0, 0.007),
-    ("mixtral", "AMXINT8"): (0, 0.001),
-    ("mixtral", "AMXINT4"): (1, 0.003),
+    ("qwen3_moe", "AMXINT8", "avx512"): (0, 0.0015, 1.2),
+    ("mixtral", "AMXINT8", "avx512"): (0, 0.0002, 0.005),
+    ("mixtral", "AMXINT4", "avx512"): (1, 0.0007, 0.4),
+    ("qwen3_moe", "AMXINT8", "amx"): (1, 0.026, 0.65),
+    ("mixtral", "AMXINT8", "amx"): (0, 0.0033, 0.01),
+    ("mixtral", "AMXINT4", "amx"): (0, 0.01, 0.076),
 }
 
 
 def assert_within_amx_bounds(arch: str, method: str, got: list, expected: list) -> None:
-    max_differing, max_drift = AMX_ACCURACY_BOUNDS[(arch, method)]
+    family = kernel_family()
     drift = logprob_drift(confident(got), confident(expected))
     long_drift = logprob_drift(got[len(PROMPTS) :], expected[len(PROMPTS) :])
     count = differing(got, expected)
-    print(f"{arch} {method}: {count} of {len(got)} completions differ; drift {drift:.5f} (long one {long_drift:.4f})")
-    assert count <= max_differing and drift <= max_drift, (arch, method, count, drift)
+    print(f"{arch} {method} ({family}): {count} of {len(got)} differ; drift {drift:.5f} (long one {long_drift:.4f})")
+    bounds = AMX_ACCURACY_BOUNDS.get((arch, method, family))
+    assert bounds is not None, f"no bound measured for {arch} {method} on kt-kernel's {family} kernels: add the above"
+    max_differing, max_drift, max_long_drift = bounds
+    assert count <= max_differing and drift <= max_drift and long_drift <= max_long_drift, (arch, method, family)
 
 
 @requires_kernel("AMXINT8")
@@ -239,9 +250,10 @@ def test_expert_deferral_with_split(tiny_model) -> None:
     """Deferral beside GPU experts and the split (the H200's defaults, forced here): prefill
     forwards stage half their picked CPU experts on the "GPU" while kt-kernel computes the
     rest and defers one of each token's, which the next layer's sync adds; decode defers one
-    CPU expert per token. Greedy tokens and drift as in the test above, and the log shows
-    the split ran. (Measured on an AMX machine with the whole layer on the GPU instead:
-    drift 0.12 against plain vLLM, 0.007 with the same placement and no deferral.)"""
+    CPU expert per token. Greedy tokens as in the test above, drift within
+    DEFERRAL_SPLIT_DRIFT_BOUND, and the log shows the split ran. (Measured on an AMX machine
+    with the whole layer on the GPU instead: drift 0.12 against plain vLLM, 0.007 with the
+    same placement and no deferral.)"""
     model = tiny_model("qwen3_moe")
     kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "4", **DEFERRAL, **SPLIT}
     got, log = hybrid_logged(model, kt)
@@ -250,7 +262,19 @@ def test_expert_deferral_with_split(tiny_model) -> None:
     expected = confident(plain(model))
     print(f"deferral with the split: drift {logprob_drift(confident(got), expected):.4f} against plain vLLM")
     assert token_ids(confident(got)) == token_ids(expected)
-    assert logprob_drift(confident(got), expected) <= DEFERRAL_DRIFT_BOUND
+    assert logprob_drift(confident(got), expected) <= DEFERRAL_SPLIT_DRIFT_BOUND
+
+
+# Past the tiny Qwen3-MoE's opening tie on its long prompt (which kt-kernel's AMX BF16 kernels
+# break the other way), the reference's tokens as scored with dynamic experts. Experts move
+# between vLLM's CPU kernel and kt-kernel's after forwards whose batches form with the
+# machine's timing, so each run sums each position in another mix of the two roundings, and
+# the continuation runs past the training text, where top twos nearly tie and small rounding
+# moves logprobs most. Measured on the 2-core AMX dev box (`pytest -s
+# tests/engine/test_engine_e2e.py -k "dynamic and qwen3"`, 2026-12-05), worst step: 0.052 and
+# 0.34 in two runs (the static placements stay within TIE_GAP, 0.05; a missing expert moves
+# them by > 1). Bound: twice the larger.
+DYNAMIC_PAST_TIE_BOUND = 0.7
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -263,7 +287,7 @@ def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> No
     kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "2", "KT_DYNAMIC_GPU_EXPERTS": "1"}
     got, log = hybrid_logged(model, kt)
     assert layer_swaps(log) > 0, log[-3000:]
-    assert_same_greedy_tokens(got, plain(model))
+    assert_same_greedy_tokens(got, plain(model), bound=DYNAMIC_PAST_TIE_BOUND)
 
 
 @requires_kernel("AMXINT4")

@@ -43,6 +43,13 @@ def skip_without_kernel(method: str) -> None:
         pytest.skip(f"kt-kernel: {why}")
 
 
+def kernel_family() -> str:
+    """kt-kernel's loaded kernels as their rounding differs: ``amx``, ``avx512`` (any of its
+    AVX-512 builds) or ``avx2``."""
+    variant = kt_variant()
+    return "avx512" if variant.startswith("avx512") else variant
+
+
 def kt_variant() -> str:
     kt_kernel = pytest.importorskip("kt_kernel")
     return str(kt_kernel.__cpu_variant__)

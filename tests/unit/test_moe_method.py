@@ -563,7 +563,7 @@ def test_block_fp8_quantization_round_trips() -> None:
     reason="vLLM's CPU build runs block-FP8 MoE only on AMX CPUs (CPUExpertsFp8); the GPU sitting measures it",
 )
 @pytest.mark.parametrize("split", ["auto", "0.5"])
-def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, split: str) -> None:
+def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_runtime, split: str) -> None:
     """KT_GPU_PREFILL_FP8_COPY=1: the CPU experts' host copy is block FP8, quantized as the
     checkpoint loads and run by vLLM's FP8 MoE method (here its CPU build's kernel) from the
     staging buffer, whole layer or split; half the bytes of the BF16 copy. Within FP8's
