@@ -25,7 +25,35 @@ MODEL_MISTAKES = [
     ("auto without a GPU", {"KT_NUM_GPU_EXPERTS": "auto"}, "KT_NUM_GPU_EXPERTS", "auto"),
     ("deferring every expert", {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "2"}, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "2"),
 ]
-CASES = [*MISTAKES, *MODEL_MISTAKES]
+# The other refusals of test_settings.py and test_fp8_host_copy.py that need no file, NUMA
+# layout or checkpoint of their own (those are checked by the same code: serve_checks.validated
+# and the backend's check_model).
+MORE_MISTAKES = [
+    ("negative GPU prefill threshold", {"KT_GPU_PREFILL_MIN_TOKENS": "-1"}, "KT_GPU_PREFILL_MIN_TOKENS", "-1"),
+    ("GPU prefill threshold not a number", {"KT_GPU_PREFILL_MIN_TOKENS": "many"}, "KT_GPU_PREFILL_MIN_TOKENS", "many"),
+    ("negative dynamic experts", {"KT_DYNAMIC_GPU_EXPERTS": "-1"}, "KT_DYNAMIC_GPU_EXPERTS", "-1"),
+    (
+        "dynamic experts beside a fixed GPU prefill",
+        {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_GPU_PREFILL_MIN_TOKENS": "2048"},
+        "KT_DYNAMIC_GPU_EXPERTS",
+        "1",
+    ),
+    (
+        "dynamic experts on AMXINT8",
+        {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_METHOD": "AMXINT8"},
+        "KT_DYNAMIC_GPU_EXPERTS",
+        "1",
+    ),
+    ("dynamic experts on torch", {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_BACKEND": "torch"}, "KT_DYNAMIC_GPU_EXPERTS", "1"),
+    ("cache dir under a file", {"KT_CACHE_DIR": "/proc/cpuinfo/cache"}, "KT_CACHE_DIR", "/proc/cpuinfo/cache"),
+    (
+        "FP8 copy with GPU prefill off",
+        {"KT_GPU_PREFILL_FP8_COPY": "1", "KT_GPU_PREFILL_MIN_TOKENS": "0"},
+        "KT_GPU_PREFILL_FP8_COPY",
+        "1",
+    ),
+]
+CASES = [*MISTAKES, *MODEL_MISTAKES, *MORE_MISTAKES]
 
 
 @pytest.fixture

@@ -192,7 +192,10 @@ class KTSettings:
             values["gpu_prefill_split"] = None  # the cost model under auto, the whole layer under a number
         if values["gpu_prefill_fp8_copy"] and prefill == 0:
             raise KTConfigError(
-                "KT_GPU_PREFILL_FP8_COPY", "1", "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy"
+                "KT_GPU_PREFILL_FP8_COPY",
+                "1",
+                "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy",
+                "0 (or unset) with GPU prefill off; with KT_GPU_PREFILL_MIN_TOKENS auto or a number, the FP8 copy",
             )
         return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
 
