@@ -24,7 +24,6 @@ from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
 from vllm_kt_plugin.settings.presets import load_preset
-from vllm_kt_plugin.settings.staging import staging_refusal
 from vllm_kt_plugin.settings.variables import KTSettings, numa_node_count, usable_cores
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ def check_gpu_prefill(settings: KTSettings, config: Mapping[str, Any], num_exper
         memory = estimate_model_memory(config)
     except ModelConfigError:
         return  # the layer checks it
-    refusal = staging_refusal(memory.checkpoint_format, settings.method or "", device="cuda" if has_gpu else "cpu")
+    refusal = memory.staging_refusal(settings.method or "", device="cuda" if has_gpu else "cpu")
     if refusal is not None:
         raise KTConfigError("KT_GPU_PREFILL_MIN_TOKENS", str(threshold), refusal, "0 (off) for this checkpoint")
 

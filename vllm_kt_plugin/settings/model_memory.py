@@ -81,10 +81,10 @@ class ModelMemory:
         ``kt_method`` (``KT_GPU_LAYOUT_WRITERS``): GPU prefill then keeps no host copy."""
         return KT_GPU_LAYOUT_WRITERS.get(kt_method.upper()) == self.checkpoint_format
 
-    def staging_refusal(self, kt_method: str, tensor_parallel_size: int = 1) -> str | None:
-        """Why GPU prefill cannot stage this checkpoint's CPU experts with ``kt_method``
-        (``settings.staging``: the rule each layer applies too), or None."""
-        return staging_refusal(self.checkpoint_format, kt_method, tensor_parallel_size)
+    def staging_refusal(self, kt_method: str, tensor_parallel_size: int = 1, device: str | None = None) -> str | None:
+        """Why GPU prefill cannot stage this checkpoint's CPU experts with ``kt_method`` on
+        ``device`` where given (``settings.staging``: the rule each layer applies too), or None."""
+        return staging_refusal(self.checkpoint_format, kt_method, tensor_parallel_size, device=device)
 
     def stageable(self, kt_method: str, tensor_parallel_size: int = 1) -> bool:
         return self.staging_refusal(kt_method, tensor_parallel_size) is None

@@ -10,6 +10,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,17 @@ from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
 DECODE_REPEATS = 3
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random token ids (clear of the vocabulary's special ends), one
+    generator per call: the same prompts for a seed in either way of measuring."""
     import random
 
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]} for _ in range(count)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": ids} for ids in random_prompts(count, length, vocab, seed)]
 
 
 def _decode_prompts(batch: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
@@ -60,7 +67,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
             model=spec.model,
             load_format=spec.load_format,
             skip_tokenizer_init=True,
-            max_model_len=min(spec.max_model_len, _max_positions(spec.model)),
+            max_model_len=min(spec.max_model_len, max_positions(spec.model)),
             max_num_seqs=16,
             enable_prefix_caching=False,
             gpu_memory_utilization=spec.gpu_memory_utilization,
@@ -80,25 +87,18 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
-    def timed_decode_rate(batch: int, seed: int) -> tuple[float | None, list[list[int]]]:
-        prompts = _decode_prompts(batch, vocab, seed)
-        short, tokens = timed(prompts, spec.decode_tokens)
-        long, _ = timed(prompts, 2 * spec.decode_tokens)
-        return decode_rate(batch, spec.decode_tokens, short, long), tokens
-
     def decode_rates(batch: int, seed: int) -> tuple[list[float], int, list[list[int]]]:
-        """Up to DECODE_REPEATS rates (fewer where as many pairs were discarded), and the
-        pairs discarded."""
-        timed(_decode_prompts(batch, vocab, seed), 4)  # warm-up
-        rates: list[float] = []
-        discarded = 0
-        while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
-            rate, tokens = timed_decode_rate(batch, seed)
-            if rate is None:
-                discarded += 1
-            else:
-                rates.append(rate)
-        return rates, discarded, tokens
+        """``decode_repeats`` of this batch, and the tokens of its last short run."""
+        prompts = _decode_prompts(batch, vocab, seed)
+        timed(prompts, 4)  # warm-up
+        tokens: list[list[int]] = []
+
+        def pair() -> float | None:
+            short, tokens[:] = timed(prompts, spec.decode_tokens)
+            long, _ = timed(prompts, 2 * spec.decode_tokens)
+            return decode_rate(batch, spec.decode_tokens, short, long)
+
+        return (*decode_repeats(pair), tokens)
 
     rates_bs1, discarded_bs1, tokens_bs1 = decode_rates(1, seed=1)
     rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
@@ -124,6 +124,21 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     }
 
 
+def decode_repeats(pair: Callable[[], float | None]) -> tuple[list[float], int]:
+    """Up to DECODE_REPEATS rates from ``pair`` (one short and one long run; None where it
+    was discarded: see ``decode_rate``), fewer where as many pairs were discarded, and the
+    pairs discarded."""
+    rates: list[float] = []
+    discarded = 0
+    while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
+        rate = pair()
+        if rate is None:
+            discarded += 1
+        else:
+            rates.append(rate)
+    return rates, discarded
+
+
 def decode_rate(batch: int, new_tokens: int, short_s: float, long_s: float) -> float | None:
     """Decode tokens per second from two runs of the same prompts, ``new_tokens`` and twice as
     many new tokens: their difference is ``new_tokens`` decode steps with no prefill or
@@ -146,7 +161,7 @@ def decode_summary(name: str, rates: list[float], discarded: int = 0) -> dict[st
     }
 
 
-def _max_positions(model: str) -> int:
+def max_positions(model: str) -> int:
     hf_config = json.loads((Path(model) / "config.json").read_text())
     return int(hf_config.get("max_position_embeddings") or 2048)
 

@@ -116,13 +116,20 @@ class Load:
         return self.input_len + self.output_len + 16
 
 
+def served_run_record(spec: RunSpec) -> dict[str, Any]:
+    """What a run behind a server records of its configuration: system, method, and the
+    variant, environment, offload and engine arguments where set."""
+    result: dict[str, Any] = {"system": spec.system, "method": spec.method}
+    for key in ("variant", "env", "cpu_offload_gb", "engine_args"):
+        if getattr(spec, key):
+            result[key] = getattr(spec, key)
+    return result
+
+
 def load_run(spec: RunSpec, load: Load) -> dict[str, Any]:
     """One system behind ``vllm serve`` under ``vllm bench serve``; the summary of its result."""
     name = f"load-{spec.name}"
-    result: dict[str, Any] = {"system": spec.system, "method": spec.method}
-    for key in ("env", "cpu_offload_gb", "engine_args"):
-        if getattr(spec, key):
-            result[key] = getattr(spec, key)
+    result = served_run_record(spec)
     args = serve_args(spec, load.max_model_len)
     server = VLLMServer(spec.model, args, env=spec.env, log_path=load.log_dir / f"{name}-serve.log")
     return measure_load(server, name, spec.model, result, load)

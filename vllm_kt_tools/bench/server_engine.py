@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kt_tools.bench.engine_child import DECODE_REPEATS, decode_rate, decode_summary
+from vllm_kt_tools.bench.engine_child import decode_rate, decode_repeats, decode_summary, random_prompts
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
 from vllm_kt_tools.bench.routing import TEMPERATURE
 
@@ -43,13 +43,6 @@ class ServerWorkload:
     prefill_len: int = 1024
     long_len: int = LONG_PROMPT_TOKENS
     timeout_s: float = 1200.0
-
-
-def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
 def complete(base_url: str, prompt: list[int], max_tokens: int, seed: int | None, timeout_s: float) -> int:
@@ -93,32 +86,27 @@ def measure(base_url: str, work: ServerWorkload) -> dict[str, Any]:
     decode = work.decode_tokens
 
     def rates(batch: int, seed: int) -> tuple[list[float], int]:
-        prompts = [random_prompt(32, work.vocab, seed)] * batch  # one prompt: only sampling sets them apart
+        prompts = random_prompts(1, 32, work.vocab, seed) * batch  # one prompt: only sampling sets them apart
         timed_batch(base_url, prompts, 4, seed * 1000, work.timeout_s)  # warm-up
-        found: list[float] = []
-        discarded = 0
-        while len(found) < DECODE_REPEATS and discarded < DECODE_REPEATS:
+
+        def pair() -> float | None:
             short = timed_batch(base_url, prompts, decode, seed * 1000 + 100, work.timeout_s)
             long = timed_batch(base_url, prompts, 2 * decode, seed * 1000 + 200, work.timeout_s)
-            rate = decode_rate(batch, decode, short, long)
-            if rate is None:
-                discarded += 1
-            else:
-                found.append(rate)
-        return found, discarded
+            return decode_rate(batch, decode, short, long)
+
+        return decode_repeats(pair)
 
     rates_bs1, discarded_bs1 = rates(1, seed=1)
     rates_bs16, discarded_bs16 = rates(16, seed=2)
     prefill_len = min(work.prefill_len, work.max_model_len - 2)
-    prefill = [random_prompt(prefill_len, work.vocab, 30 + i) for i in range(8)]
     # Prefills go unseeded: their one sampled token routes nothing that matters, and vLLM 0.32's CPU
     # build fails a seeded request whose prompt is chunked ("CPU Generator does not use offset").
-    timed_batch(base_url, prefill, 1, None, work.timeout_s)  # warm-up
-    prefill = [random_prompt(prefill_len, work.vocab, 40 + i) for i in range(8)]
-    prefill_s = timed_batch(base_url, prefill, 1, None, work.timeout_s)
+    # The prompts are the engine mode's (same seeds).
+    timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 3), 1, None, work.timeout_s)  # warm-up
+    prefill_s = timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 4), 1, None, work.timeout_s)
     long_len = min(work.long_len, work.max_model_len - 2)
-    timed_batch(base_url, [random_prompt(long_len, work.vocab, 5)], 1, None, work.timeout_s)  # warm-up
-    long_s = timed_batch(base_url, [random_prompt(long_len, work.vocab, 6)], 1, None, work.timeout_s)
+    timed_batch(base_url, random_prompts(1, long_len, work.vocab, 5), 1, None, work.timeout_s)  # warm-up
+    long_s = timed_batch(base_url, random_prompts(1, long_len, work.vocab, 6), 1, None, work.timeout_s)
     return {
         **decode_summary("decode_bs1", rates_bs1, discarded_bs1),
         **decode_summary("decode_bs16", rates_bs16, discarded_bs16),

@@ -20,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
-from vllm_kt_tools.bench.engine_child import run_in_child
+from vllm_kt_tools.bench.engine_child import max_positions, run_in_child
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec, plan_runs, system_order
 from vllm_kt_tools.bench.host import host_info
 from vllm_kt_tools.bench.kernel_sweep import sweep_in_child
 from vllm_kt_tools.bench.layer_timing import layer_in_child
-from vllm_kt_tools.bench.load_runs import Load, load_run, serve_args, sglang_load_run, sglang_server
+from vllm_kt_tools.bench.load_runs import (
+    Load,
+    load_run,
+    serve_args,
+    served_run_record,
+    sglang_load_run,
+    sglang_server,
+)
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
@@ -239,7 +246,7 @@ def run_server_engine(
         raise SystemExit(f"--server-engine: no system to measure (--systems {args.systems})")
     model = runs[0].model
     config = json.loads((Path(model) / "config.json").read_text())
-    max_model_len = min(LONG_PROMPT_TOKENS + 64, int(config.get("max_position_embeddings") or 2048))
+    max_model_len = min(LONG_PROMPT_TOKENS + 64, max_positions(model))
     work = ServerWorkload(
         vocab=config["vocab_size"],
         max_model_len=max_model_len,
@@ -257,11 +264,7 @@ def run_server_engine(
             env=spec.env,
             log_path=log_dir / f"server-{spec.name}-serve.log",
         )
-        result: dict[str, Any] = {"system": spec.system, "method": spec.method}
-        for key in ("variant", "env", "cpu_offload_gb", "engine_args"):
-            if getattr(spec, key):
-                result[key] = getattr(spec, key)
-        section["runs"].append(server_engine_run(server, f"server-{spec.name}", result, work))
+        section["runs"].append(server_engine_run(server, f"server-{spec.name}", served_run_record(spec), work))
         save(report, args.out)
     if SGLANG_PEER in system_order(args):
         for sglang in sglang_configs(args, runs, section):
