@@ -15,6 +15,8 @@
 #   oversub       kt_oversubscription.py: kt-kernel workers beside busy processes, per
 #                 OVERSUB_RUNS "threads:busy ...", alone on the host -> oversubscription.jsonl
 #   layer         one layer alone: CPU path vs GPU prefill (copy, compute), decode overhead
+#   split-curve   issue 28's per-layer curve, 128 to 16,384 tokens: CPU path, whole-layer stream, split,
+#                 split with the FP8 host copy (first of METHODS) -> SPLIT_JSON
 #   layer-dynamic one layer of BF16 experts with KT_DYNAMIC_GPU_EXPERTS: a swap's cost
 #   prepare-dynamic  dynamic-bench's BF16 expert files (DYNAMIC_LAYERS layers), written without the GPU
 #   dynamic-bench kt-hybrid on BF16 experts (DYNAMIC_LAYERS layers, 1.2 GB of files each; DYNAMIC_GPU_EXPERTS
@@ -71,6 +73,9 @@ BENCH=(python3 -m vllm_kt_tools.cli.main bench --shape qwen3-30b-a3b --gpu-weigh
 # Every engine or load sitting times bare kt-kernel first (--kernel-sweep): host speed beside its figures
 SWEEP=(--kernel-sweep)
 [ "${KERNEL_SWEEP:-1}" = 0 ] && SWEEP=()
+# SGLANG_SWEEP=1: sglang-kt's default sweep points; SGLANG_SWEEP=T:D[,T:D]: these, in this order
+SGLANG=()
+[ -n "${SGLANG_SWEEP:-}" ] && SGLANG=(--sglang-sweep) && [ "$SGLANG_SWEEP" != 1 ] && SGLANG+=("$SGLANG_SWEEP")
 FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}"
      --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json")
 
@@ -93,6 +98,11 @@ run_oversub() {
 run_layer() {
   "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4}" --layer-only \
       --out "$BENCH_OUT/h200_layer_qwen3_30b_a3b.json" > "$BENCH_OUT/layer.log" 2>&1
+}
+
+run_split_curve() {
+  "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS%%,*}" --layer-only --split-curve \
+      --out "$BENCH_OUT/${SPLIT_JSON:-h200_split_curve_qwen3_30b_a3b.json}" > "$BENCH_OUT/split-curve.log" 2>&1
 }
 
 run_layer_dynamic() {  # one layer of BF16 experts from files (kt-kernel writes those back): swap cost
@@ -151,18 +161,20 @@ run_peers() {
 }
 
 run_load() {  # every system the same load (OFFLOAD_LOAD=N:C gives vLLM's offloaders a shorter one, recorded)
-  # shellcheck disable=SC2086 - SGLANG_SWEEP and OFFLOAD_LOAD add their flags where set
+  # shellcheck disable=SC2086 - OFFLOAD_LOAD adds its flag where set
   "${BENCH[@]}" --methods AMXINT4 --systems "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" \
-      --prefetch-sweep "${PREFETCH_POINT:-48:1}" ${SGLANG_SWEEP:+--sglang-sweep} "${SWEEP[@]}" \
+      --prefetch-sweep "${PREFETCH_POINT:-48:1}" "${SGLANG[@]}" "${SWEEP[@]}" \
       --load 1000:64 ${OFFLOAD_LOAD:+--offload-load $OFFLOAD_LOAD} \
       --load-input-len 128 --load-output-len 16 \
       --out "$BENCH_OUT/${LOAD_JSON:-h200_load_qwen3_30b_a3b.json}" > "$BENCH_OUT/load-bench.log" 2>&1
 }
 
 run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head to head's decode and prefills
-  # shellcheck disable=SC2086 - SGLANG_SWEEP adds its flag where set
+  if [ -n "${SGLANG_PYTHON:-}" ]; then  # its package set may still be arriving, carried beside the stages before
+    for _ in $(seq "${SGLANG_WAIT_S:-600}"); do [ -x "$SGLANG_PYTHON" ] && break; sleep 1; done
+  fi
   "${BENCH[@]}" --methods AMXINT4 --systems "${SERVER_ENGINE_SYSTEMS:-kt-hybrid,sglang-kt}" --server-engine \
-      ${SGLANG_SWEEP:+--sglang-sweep} "${SWEEP[@]}" \
+      "${SGLANG[@]}" "${SWEEP[@]}" \
       --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" > "$BENCH_OUT/server-engine.log" 2>&1
 }
 

@@ -16,7 +16,7 @@ from kt_testing.engines import clean_env
 
 from vllm_kt_tools.cli.bench import add_arguments, run_sitting
 
-FIGURES = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "prefill_long_tok_s")
+FIGURES = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "ttft_one_prompt_s", "prefill_long_tok_s")
 
 
 def test_server_engine_measures_kt_hybrid_behind_vllm_serve(

@@ -545,3 +545,22 @@ def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest
     assert len({c.name for c in configs}) == 4  # each point's logs and JSON entry go by it
     with pytest.raises(SystemExit, match="kt-hybrid"):
         sglang_configs(args("--systems", "sglang-kt"), [], section)
+
+
+def test_sglang_sweep_points_run_in_the_order_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sglang-sweep T:D,... picks the points (0 = its GPU prefill off) and their order; a
+    malformed list is refused by the parser, naming what it expects."""
+    from vllm_kt_tools.cli.bench import sglang_configs
+
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
+    bench_args = args("--systems", "sglang-kt,kt-hybrid", "--methods", "AMXINT4", "--sglang-sweep", "0:0,4096:2")
+    runs = plan_runs(bench_args, str(model), "dummy", model_sizes(SHAPES["qwen3-30b-a3b"]))
+    section: dict = {}
+    configs = sglang_configs(bench_args, runs, section)
+    assert [(c.gpu_prefill_token_threshold, c.max_deferred_experts_per_token) for c in configs] == [(0, 0), (4096, 2)]
+    assert section["sglang_kt"]["sweep"] == [[0, 0], [4096, 2]]
+    with pytest.raises(SystemExit):
+        args("--systems", "kt-hybrid", "--sglang-sweep", "4096")

@@ -1,7 +1,8 @@
 """One engine, measured in a process of its own (``run_in_child`` -> ``run_engine``):
 decode tok/s at batch 1 and 16, prefill tok/s (8 prompts x 1,024 tokens, and one long
-prompt), start-up time, the GPU weight memory vLLM reports and the routing the workload
-made (``bench/routing.py``); the same engine settings for every system."""
+prompt), the time to first token of one 1,024-token prompt alone, start-up time, the GPU
+weight memory vLLM reports and the routing the workload made (``bench/routing.py``); the
+same engine settings for every system."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
 # Each decode figure is the median of this many measurements (AMXINT4 at batch 1 has
 # varied by a third between sittings).
 DECODE_REPEATS = 3
+TTFT_SEEDS = (7, 8, 9)  # one 1,024-token prompt alone, three times: its time to first token
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -104,6 +106,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
     timed(_prompts(8, prefill_len, vocab, seed=3), 1)  # warm-up
     prefill_s, _ = timed(_prompts(8, prefill_len, vocab, seed=4), 1)
+    # time to first token of one 1,024-token prompt alone (issue 28): median of three prompts
+    ttft_s = statistics.median(timed(_prompts(1, prefill_len, vocab, seed=s), 1)[0] for s in TTFT_SEEDS)
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
     timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
     long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
@@ -116,6 +120,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         **decode_summary("decode_bs16", rates_bs16, discarded_bs16),
         "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
         "prefill_prompt_tokens": prefill_len,
+        "ttft_one_prompt_s": round(ttft_s, 4),
         "prefill_long_tok_s": round(long_len / long_s, 1),
         "prefill_long_prompt_tokens": long_len,
         "tokens_bs1": tokens_bs1[0],

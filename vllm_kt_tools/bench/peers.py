@@ -203,17 +203,16 @@ def sglang_python() -> str:
     return python
 
 
-def sglang_sweep(
-    base: SglangKt, thresholds: tuple[int, ...] = (1024, 4096), deferrals: tuple[int, ...] = (0, 2)
-) -> list[SglangKt]:
-    """The short sweep of its GPU-prefill threshold and deferral (issue 27: each peer at its best)."""
+# (GPU-prefill token threshold, deferred experts per token): the short sweep's default points
+SGLANG_SWEEP_POINTS = ((1024, 0), (1024, 2), (4096, 0), (4096, 2))
+
+
+def sglang_sweep(base: SglangKt, points: tuple[tuple[int, int], ...] = SGLANG_SWEEP_POINTS) -> list[SglangKt]:
+    """The short sweep of its GPU-prefill threshold and deferral (issue 27: each peer at its
+    best), in the order given (a sitting short of time lists the point it needs most first)."""
     from dataclasses import replace
 
-    return [
-        replace(base, gpu_prefill_token_threshold=t, max_deferred_experts_per_token=d)
-        for t in thresholds
-        for d in deferrals
-    ]
+    return [replace(base, gpu_prefill_token_threshold=t, max_deferred_experts_per_token=d) for t, d in points]
 
 
 def prepared_amx_folder(cache_dir: str, model: str, method: str, shape: tuple[int, int, int], pools: int = 1) -> Path:

@@ -17,13 +17,14 @@ prompt sample apart, reproducibly (``bench/routing.py``). Each response's
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kt_tools.bench.engine_child import decode_rate, decode_repeats, decode_summary, random_prompts
+from vllm_kt_tools.bench.engine_child import TTFT_SEEDS, decode_rate, decode_repeats, decode_summary, random_prompts
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
 from vllm_kt_tools.bench.routing import TEMPERATURE
 
@@ -81,9 +82,13 @@ def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: 
     return seconds
 
 
-def measure(base_url: str, work: ServerWorkload) -> dict[str, Any]:
-    """The engine mode's figures (``engine_child.run_engine``'s keys) through ``base_url``."""
+def measure(base_url: str, work: ServerWorkload, into: dict[str, Any]) -> None:
+    """The engine mode's figures (``engine_child.run_engine``'s keys) through ``base_url``,
+    into ``into`` as each is measured: a server that fails a later request (say, at a long
+    prompt) keeps the figures it gave."""
     decode = work.decode_tokens
+    into["sampling"] = {"temperature": TEMPERATURE, "seed": "one per decode request, none for prefills"}
+    into["via"] = "server"
 
     def rates(batch: int, seed: int) -> tuple[list[float], int]:
         prompts = random_prompts(1, 32, work.vocab, seed) * batch  # one prompt: only sampling sets them apart
@@ -96,27 +101,22 @@ def measure(base_url: str, work: ServerWorkload) -> dict[str, Any]:
 
         return decode_repeats(pair)
 
-    rates_bs1, discarded_bs1 = rates(1, seed=1)
-    rates_bs16, discarded_bs16 = rates(16, seed=2)
+    into.update(decode_summary("decode_bs1", *rates(1, seed=1)))
+    into.update(decode_summary("decode_bs16", *rates(16, seed=2)))
     prefill_len = min(work.prefill_len, work.max_model_len - 2)
     # Prefills go unseeded: their one sampled token routes nothing that matters, and vLLM 0.32's CPU
     # build fails a seeded request whose prompt is chunked ("CPU Generator does not use offset").
     # The prompts are the engine mode's (same seeds).
     timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 3), 1, None, work.timeout_s)  # warm-up
     prefill_s = timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 4), 1, None, work.timeout_s)
+    into.update(prefill_tok_s=round(8 * prefill_len / prefill_s, 1), prefill_prompt_tokens=prefill_len)
+    alone = [random_prompts(1, prefill_len, work.vocab, seed) for seed in TTFT_SEEDS]
+    ttft_s = statistics.median(timed_batch(base_url, prompt, 1, None, work.timeout_s) for prompt in alone)
+    into["ttft_one_prompt_s"] = round(ttft_s, 4)
     long_len = min(work.long_len, work.max_model_len - 2)
     timed_batch(base_url, random_prompts(1, long_len, work.vocab, 5), 1, None, work.timeout_s)  # warm-up
     long_s = timed_batch(base_url, random_prompts(1, long_len, work.vocab, 6), 1, None, work.timeout_s)
-    return {
-        **decode_summary("decode_bs1", rates_bs1, discarded_bs1),
-        **decode_summary("decode_bs16", rates_bs16, discarded_bs16),
-        "prefill_tok_s": round(8 * prefill_len / prefill_s, 1),
-        "prefill_prompt_tokens": prefill_len,
-        "prefill_long_tok_s": round(long_len / long_s, 1),
-        "prefill_long_prompt_tokens": long_len,
-        "sampling": {"temperature": TEMPERATURE, "seed": "one per decode request, none for prefills"},
-        "via": "server",
-    }
+    into.update(prefill_long_tok_s=round(long_len / long_s, 1), prefill_long_prompt_tokens=long_len)
 
 
 def server_engine_run(server: VLLMServer, name: str, result: dict[str, Any], work: ServerWorkload) -> dict[str, Any]:
@@ -126,12 +126,12 @@ def server_engine_run(server: VLLMServer, name: str, result: dict[str, Any], wor
     started = time.perf_counter()
     try:
         with server:
-            result.update(measure(server.base_url, work))
+            measure(server.base_url, work, result)
     except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:  # urllib's errors are OSErrors
         result["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
-    outcome = result.get("error") or (
-        f"decode bs1 {result['decode_bs1_tok_s']} tok/s, bs16 {result['decode_bs16_tok_s']}, "
-        f"prefill {result['prefill_tok_s']}, long prompt {result['prefill_long_tok_s']}"
-    )
+    figures = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "ttft_one_prompt_s", "prefill_long_tok_s")
+    outcome = ", ".join(f"{name} {result.get(name)}" for name in figures)
+    if "error" in result:
+        outcome += f"; {result['error']}"
     print(f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {outcome}", flush=True)
     return result

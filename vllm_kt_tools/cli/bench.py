@@ -36,6 +36,7 @@ from vllm_kt_tools.bench.load_runs import (
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
+    SGLANG_SWEEP_POINTS,
     VLLM_PEERS,
     SglangKt,
     best_prefetch,
@@ -255,23 +256,36 @@ def run_server_engine(
     )
     section: dict[str, Any] = {"workload": asdict(work), "runs": []}
     report["server_engine"] = section
-    for spec in runs:
-        if spec.enforce_eager:
-            continue
-        server = VLLMServer(
-            spec.model,
-            serve_args(spec, max_model_len),
-            env=spec.env,
-            log_path=log_dir / f"server-{spec.name}-serve.log",
-        )
-        section["runs"].append(server_engine_run(server, f"server-{spec.name}", served_run_record(spec), work))
-        save(report, args.out)
-    if SGLANG_PEER in system_order(args):
+
+    def vllm_servers() -> None:
+        for spec in runs:
+            if spec.enforce_eager:
+                continue
+            server = VLLMServer(
+                spec.model,
+                serve_args(spec, max_model_len),
+                env=spec.env,
+                log_path=log_dir / f"server-{spec.name}-serve.log",
+            )
+            section["runs"].append(server_engine_run(server, f"server-{spec.name}", served_run_record(spec), work))
+            save(report, args.out)
+
+    def sglang_servers() -> None:
         for sglang in sglang_configs(args, runs, section):
             server = sglang_server(sglang, max_model_len, log_dir / f"server-{sglang.name}-serve.log")
             result = {"system": SGLANG_PEER, "method": sglang.method, "variant": sglang.name, "command": server.command}
             section["runs"].append(server_engine_run(server, f"server-{sglang.name}", result, work))
             save(report, args.out)
+
+    order = system_order(args)
+    if SGLANG_PEER not in order:
+        vllm_servers()
+    elif order[0] == SGLANG_PEER:  # listed first, run first (e.g. a sitting that may be cut short)
+        sglang_servers()
+        vllm_servers()
+    else:
+        vllm_servers()
+        sglang_servers()
     return report
 
 
@@ -298,8 +312,9 @@ def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], section: dict[
         threadpool_count=settings.threadpool_count,
         num_gpu_experts=int(hybrid.env["KT_NUM_GPU_EXPERTS"]),
     )
-    section["sglang_kt"] = {"weight_path": weight_path, "sweep": args.sglang_sweep}
-    return sglang_sweep(base) if args.sglang_sweep else [base]
+    points = args.sglang_sweep
+    section["sglang_kt"] = {"weight_path": weight_path, "sweep": None if points is None else [list(p) for p in points]}
+    return [base] if points is None else sglang_sweep(base, points)
 
 
 def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
@@ -309,6 +324,18 @@ def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
         points = ()
     if not points or any(g < 1 or p < 1 for g, p in points):
         raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:STEP[,GROUP:STEP], each >= 1, e.g. 8:1,8:2")
+    return points
+
+
+def _sglang_points(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        points = tuple((int(t), int(d)) for t, d in (pair.split(":") for pair in text.split(",") if pair))
+    except ValueError:
+        points = ()
+    if not points or any(t < 0 or d < 0 for t, d in points):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected THRESHOLD:DEFERRED[,THRESHOLD:DEFERRED], each >= 0, e.g. 0:0,4096:0"
+        )
     return points
 
 
@@ -370,8 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sglang-sweep",
-        action="store_true",
-        help="sglang-kt (--load): also sweep its GPU-prefill threshold and deferral (peers.sglang_sweep)",
+        nargs="?",
+        const=SGLANG_SWEEP_POINTS,
+        type=_sglang_points,
+        help="sglang-kt: sweep its GPU-prefill threshold and deferral, THRESHOLD:DEFERRED[,...] in this order "
+        "(0 = GPU prefill off; default points: " + ",".join(f"{t}:{d}" for t, d in SGLANG_SWEEP_POINTS) + ")",
     )
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument(
