@@ -5,7 +5,7 @@
 # ../shared/gpu-host/README.md's vLLM bundle (and benchmarks/sglang-bundle.sh's parts):
 #   setsid nohup bash benchmarks/sittings/2026-12-06-head-to-head.sh > /root/sitting.log 2>&1 &
 set -u
-export METHODS=AMXINT4 BENCH_ARGS="--decode-tokens 32"
+export METHODS=AMXINT4 BENCH_ARGS="--decode-tokens 32" BENCH_JSON=h200_h2h_qwen3_30b_a3b.json
 # 1. AMX experts, bare kt-kernel's sweep, kt-hybrid (GPU prefill auto = the split) on the sampled workload
 STAGES="prepare bench" BENCH_SYSTEMS=kt-hybrid PREFILL_OFF_CHECK=0 BENCH_VARIANTS=" " BENCH_RUN_ARGS="--skip-layer" \
     bash benchmarks/run_h200.sh
