@@ -564,3 +564,24 @@ def test_sglang_sweep_points_run_in_the_order_given(tmp_path: Path, monkeypatch:
     assert section["sglang_kt"]["sweep"] == [[0, 0], [4096, 2]]
     with pytest.raises(SystemExit):
         args("--systems", "kt-hybrid", "--sglang-sweep", "4096")
+
+
+@pytest.mark.parametrize(
+    ("systems", "order"), [("sglang-kt,kt-hybrid", ["sglang", "vllm"]), ("kt-hybrid,sglang-kt", ["vllm", "sglang"])]
+)
+def test_server_engine_runs_the_systems_in_the_order_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, systems: str, order: list[str]
+) -> None:
+    """--server-engine starts sglang-kt first when it is listed first (a sitting that may be cut
+    short names the figure it needs most first); the servers themselves stand in here."""
+    from vllm_kt_tools.cli import bench
+
+    started: list[str] = []
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "host_info", lambda: {})
+    monkeypatch.setattr(bench, "VLLMServer", lambda *a, **k: argparse.Namespace(name="vllm", command=[]))
+    monkeypatch.setattr(bench, "sglang_server", lambda *a, **k: argparse.Namespace(name="sglang", command=[]))
+    monkeypatch.setattr(bench, "server_engine_run", lambda server, n, res, work: started.append(server.name) or res)
+    argv = ("--server-engine", "--systems", systems, "--methods", "AMXINT4", "--workdir", str(tmp_path))
+    bench.run_sitting(args(*argv, "--out", str(tmp_path / "server.json")))
+    assert started == order
