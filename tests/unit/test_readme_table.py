@@ -1,0 +1,32 @@
+"""The README's benchmark table is the tool's output for the JSON it names, not typed by hand."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from vllm_kt_tools.bench.table import markdown_table
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"<!-- generated: python -m vllm_kt_tools\.bench\.table (?P<paths>[^>]+?) -->\n")
+
+
+def test_readme_table_is_generated_from_the_sitting_it_names() -> None:
+    readme = (ROOT / "README.md").read_text()
+    found = MARKER.search(readme)
+    assert found, "the README's benchmark table must name the JSON it was generated from"
+    runs: list[dict] = []
+    for path in found["paths"].split():
+        report = json.loads((ROOT / path).read_text())
+        runs += [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
+    table = markdown_table({"runs": runs})
+    assert readme[found.end() : found.end() + len(table)] == table, (
+        "regenerate it: python -m vllm_kt_tools.bench.table " + found["paths"]
+    )
+
+
+def test_table_rows_say_what_was_not_measured() -> None:
+    run = {"system": "sglang-kt", "method": "AMXINT4", "via": "server", "decode_bs1_tok_s": 12.34, "error": "x"}
+    [row] = markdown_table({"runs": [run]}).splitlines()[2:]
+    assert row.startswith("| sglang-kt AMXINT4, through its server (failed: see the JSON) | n/a | 12.3 tok/s | n/a")
