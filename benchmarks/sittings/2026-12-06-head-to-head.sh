@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The 2026-12-06 GPU sitting (issues 27 and 28), as run. The session's device time was about
-# 25 minutes after two hosts failed to start, so: one method (AMXINT4), 32-token decode runs,
-# one prefetch point, and no sglang-kt (its 85 bundle parts take ~13 minutes to carry).
-# The most wanted figures first, in case the host is taken back. Run detached from a copy of
-# the repo on a host prepared as ../shared/gpu-host/README.md says:
+# 20 minutes after hosts failed to start, so: one method (AMXINT4), 16-token decode runs, and
+# the most wanted figures first in case the host is taken back. Left out, for lack of time:
+# vLLM's prefetch offloader (at 17 GiB it streams 37 layers' experts, ~42 GB, per step: about
+# 0.8 s a step by the copy bound, so its decode runs alone would take ~10 minutes),
+# `--cpu-offload-gb` without `--cpu-offload-params` (dominated by the expert-only one) and
+# sglang-kt (85 bundle parts: ~13 minutes of carrying).
+# Run detached from a copy of the repo on a host prepared as ../shared/gpu-host/README.md says:
 #   setsid nohup bash benchmarks/sittings/2026-12-06-head-to-head.sh > /root/sitting.log 2>&1 &
 set -u
-export METHODS=AMXINT4 BENCH_ARGS="--decode-tokens 32" BENCH_JSON=h200_h2h_qwen3_30b_a3b.json
+export METHODS=AMXINT4 BENCH_ARGS="--decode-tokens 16" BENCH_JSON=h200_h2h_qwen3_30b_a3b.json
 # 1. AMX experts; bare kt-kernel's sweep; kt-hybrid (GPU prefill auto = the split) on the sampled workload
 STAGES="prepare bench" BENCH_SYSTEMS=kt-hybrid PREFILL_OFF_CHECK=0 BENCH_VARIANTS=" " BENCH_RUN_ARGS="--skip-layer" \
     bash benchmarks/run_h200.sh
@@ -14,6 +17,4 @@ STAGES="prepare bench" BENCH_SYSTEMS=kt-hybrid PREFILL_OFF_CHECK=0 BENCH_VARIANT
 KERNEL_SWEEP=0 STAGES="peers" PEER_SYSTEMS=vllm-offload-experts bash benchmarks/run_h200.sh
 # 3. the split's per-layer curve, 128 to 16,384 tokens (BF16 and FP8 host copies)
 STAGES="split-curve" bash benchmarks/run_h200.sh
-# 4. vLLM's prefetch offloader, experts only, at one point (group 48, step 1: 37 layers resident)
-KERNEL_SWEEP=0 STAGES="peers" PEER_SYSTEMS=vllm-prefetch PREFETCH_SWEEP=48:1 bash benchmarks/run_h200.sh
 echo "SITTING DONE"
