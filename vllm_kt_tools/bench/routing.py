@@ -184,6 +184,59 @@ def child_env() -> dict[str, str]:
     return {PRELOAD_VARIABLE: PRELOAD, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+# Behind `vllm serve` (--server-engine): vLLM loads every `vllm.general_plugins` entry point in
+# each of its processes, this package's ``server_plugin`` among them, which installs the
+# recorder where this variable is "1" (only the bench sets it, for the servers it starts).
+# The counts come back through vLLM's dev-mode ``/collective_rpc`` and a worker extension.
+SERVER_VARIABLE = "VLLM_KT_BENCH_ROUTING"
+SERVER_RPC = "kt_bench_routing"
+
+
+def server_plugin() -> None:
+    """``vllm.general_plugins`` entry point: a no-op unless the bench started this server."""
+    if os.environ.get(SERVER_VARIABLE) == "1":
+        install()
+
+
+class RoutingExtension:
+    """vLLM worker extension (``--worker-extension-cls``): ``/collective_rpc`` takes only a
+    method's name, so the worker gets one that returns the recorder's sums."""
+
+    def kt_bench_routing(self) -> dict[str, Any]:
+        return collect()
+
+
+def server_recording() -> tuple[dict[str, str], list[str]]:
+    """The environment and ``vllm serve`` flags of a server whose routing is recorded."""
+    extension = f"{__name__}.{RoutingExtension.__name__}"
+    return {SERVER_VARIABLE: "1", "VLLM_SERVER_DEV_MODE": "1"}, ["--worker-extension-cls", extension]
+
+
+def server_counts(base_url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The raw sums the server's worker recorded so far."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{base_url}/collective_rpc",
+        data=json.dumps({"method": SERVER_RPC}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return dict(json.loads(response.read())["results"][0])
+    except Exception as exc:  # the figures stay; the JSON says the routing was not measured
+        return {"error": f"/collective_rpc failed: {exc!r}"[-500:]}
+
+
+def counted_routing(
+    counts: dict[str, Any], num_experts: int, top_k: int, since: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``routing_summary`` of ``counts`` after ``since`` (an earlier reading: the engine's own
+    warm-up and CUDA-graph capture run dummy batches)."""
+    return routing_summary(_difference(counts, since or {}), num_experts, top_k)
+
+
 def collect(worker: Any = None) -> dict[str, Any]:
     """The recorder's sums in this process (``LLM.collective_rpc(collect)`` runs it in the
     engine's worker)."""
@@ -201,8 +254,7 @@ def engine_counts(llm: Any) -> dict[str, Any]:
 def engine_routing(llm: Any, num_experts: int, top_k: int, since: dict[str, Any] | None = None) -> dict[str, Any]:
     """``routing_summary`` of what ``llm``'s worker recorded (after ``since``, an earlier
     ``engine_counts``: the engine's own warm-up and CUDA-graph capture run dummy batches)."""
-    counts = engine_counts(llm)
-    return routing_summary(_difference(counts, since or {}), num_experts, top_k)
+    return counted_routing(engine_counts(llm), num_experts, top_k, since)
 
 
 def _difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_kt_tools.bench import routing
 from vllm_kt_tools.bench.engine_child import TTFT_SEEDS, decode_rate, decode_repeats, decode_summary, random_prompts
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
 from vllm_kt_tools.bench.routing import TEMPERATURE
@@ -119,14 +120,21 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any]) -> None:
     into.update(prefill_long_tok_s=round(long_len / long_s, 1), prefill_long_prompt_tokens=long_len)
 
 
-def server_engine_run(server: VLLMServer, name: str, result: dict[str, Any], work: ServerWorkload) -> dict[str, Any]:
+def server_engine_run(
+    server: VLLMServer, name: str, result: dict[str, Any], work: ServerWorkload, routed: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """``measure`` against ``server`` once it answers, into ``result`` (an ``error`` where the
-    server did not start or a request failed: the sitting goes on with the next system)."""
+    server did not start or a request failed: the sitting goes on with the next system).
+    ``routed`` = (experts, top-k) of a vLLM server started with ``routing.server_recording()``:
+    the routing its workload made is recorded as the engine mode's is."""
     print(f"[bench] {name}: its server, then the engine workload through /v1/completions", flush=True)
     started = time.perf_counter()
     try:
         with server:
+            since = routing.server_counts(server.base_url) if routed else None
             measure(server.base_url, work, result)
+            if routed:
+                result["routing"] = routing.counted_routing(routing.server_counts(server.base_url), *routed, since)
     except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:  # urllib's errors are OSErrors
         result["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
     figures = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "ttft_one_prompt_s", "prefill_long_tok_s")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
+from vllm_kt_tools.bench import routing
 from vllm_kt_tools.bench.engine_child import max_positions, run_in_child
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec, plan_runs, system_order
 from vllm_kt_tools.bench.host import host_info
@@ -256,18 +257,22 @@ def run_server_engine(
     )
     section: dict[str, Any] = {"workload": asdict(work), "runs": []}
     report["server_engine"] = section
+    sizes = model_sizes(config)
+    routed = (sizes.num_experts, sizes.top_k)
 
     def vllm_servers() -> None:
         for spec in runs:
             if spec.enforce_eager:
                 continue
+            env, flags = routing.server_recording()  # its routing, counted as in the engine mode
             server = VLLMServer(
                 spec.model,
-                serve_args(spec, max_model_len),
-                env=spec.env,
+                [*serve_args(spec, max_model_len), *flags],
+                env={**spec.env, **env},
                 log_path=log_dir / f"server-{spec.name}-serve.log",
             )
-            section["runs"].append(server_engine_run(server, f"server-{spec.name}", served_run_record(spec), work))
+            record = served_run_record(spec)
+            section["runs"].append(server_engine_run(server, f"server-{spec.name}", record, work, routed))
             save(report, args.out)
 
     def sglang_servers() -> None:
