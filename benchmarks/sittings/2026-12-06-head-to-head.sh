@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 2026-12-06 GPU sitting (issues 27 and 28), as run. The session's device time was about
-# 20 minutes after hosts failed to start, so: one method (AMXINT4), 16-token decode runs, and
+# 17 minutes after hosts failed to start, so: one method (AMXINT4), 16-token decode runs, and
 # the most wanted figures first in case the host is taken back. Left out, for lack of time:
 # vLLM's prefetch offloader (at 17 GiB it streams 37 layers' experts, ~42 GB, per step: about
 # 0.8 s a step by the copy bound, so its decode runs alone would take ~10 minutes),
@@ -13,8 +13,8 @@ export METHODS=AMXINT4 BENCH_ARGS="--decode-tokens 16" BENCH_JSON=h200_h2h_qwen3
 # 1. AMX experts; bare kt-kernel's sweep; kt-hybrid (GPU prefill auto = the split) on the sampled workload
 STAGES="prepare bench" BENCH_SYSTEMS=kt-hybrid PREFILL_OFF_CHECK=0 BENCH_VARIANTS=" " BENCH_RUN_ARGS="--skip-layer" \
     bash benchmarks/run_h200.sh
-# 2. vLLM's expert-only UVA offloader at the same GPU weight memory, appended to the same JSON
-KERNEL_SWEEP=0 STAGES="peers" PEER_SYSTEMS=vllm-offload-experts bash benchmarks/run_h200.sh
-# 3. the split's per-layer curve, 128 to 16,384 tokens (BF16 and FP8 host copies)
+# 2. the split's per-layer curve, 128 to 16,384 tokens (BF16 and FP8 host copies)
 STAGES="split-curve" bash benchmarks/run_h200.sh
+# 3. vLLM's expert-only UVA offloader at the same GPU weight memory, appended to the same JSON
+KERNEL_SWEEP=0 STAGES="peers" PEER_SYSTEMS=vllm-offload-experts bash benchmarks/run_h200.sh
 echo "SITTING DONE"
