@@ -581,7 +581,7 @@ def test_server_engine_runs_the_systems_in_the_order_listed(
     monkeypatch.setattr(bench, "host_info", lambda: {})
     monkeypatch.setattr(bench, "VLLMServer", lambda *a, **k: argparse.Namespace(name="vllm", command=[]))
     monkeypatch.setattr(bench, "sglang_server", lambda *a, **k: argparse.Namespace(name="sglang", command=[]))
-    monkeypatch.setattr(bench, "server_engine_run", lambda server, n, res, work: started.append(server.name) or res)
+    monkeypatch.setattr(bench, "server_engine_run", lambda server, n, res, work, *_: started.append(server.name) or res)
     argv = ("--server-engine", "--systems", systems, "--methods", "AMXINT4", "--workdir", str(tmp_path))
     bench.run_sitting(args(*argv, "--out", str(tmp_path / "server.json")))
     assert started == order

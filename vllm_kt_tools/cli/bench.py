@@ -322,26 +322,23 @@ def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], section: dict[
     return [base] if points is None else sglang_sweep(base, points)
 
 
-def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
+def _int_pairs(text: str, names: str, minimum: int, example: str) -> tuple[tuple[int, int], ...]:
+    """``A:B[,A:B]`` as integer pairs, each number >= ``minimum``; else the parser's error."""
     try:
-        points = tuple((int(g), int(p)) for g, p in (pair.split(":") for pair in text.split(",") if pair))
+        pairs = tuple((int(a), int(b)) for a, b in (pair.split(":") for pair in text.split(",") if pair))
     except ValueError:
-        points = ()
-    if not points or any(g < 1 or p < 1 for g, p in points):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected GROUP:STEP[,GROUP:STEP], each >= 1, e.g. 8:1,8:2")
-    return points
+        pairs = ()
+    if not pairs or any(a < minimum or b < minimum for a, b in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {names}[,{names}], each >= {minimum}, e.g. {example}")
+    return pairs
+
+
+def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
+    return _int_pairs(text, "GROUP:STEP", 1, "8:1,8:2")
 
 
 def _sglang_points(text: str) -> tuple[tuple[int, int], ...]:
-    try:
-        points = tuple((int(t), int(d)) for t, d in (pair.split(":") for pair in text.split(",") if pair))
-    except ValueError:
-        points = ()
-    if not points or any(t < 0 or d < 0 for t, d in points):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected THRESHOLD:DEFERRED[,THRESHOLD:DEFERRED], each >= 0, e.g. 0:0,4096:0"
-        )
-    return points
+    return _int_pairs(text, "THRESHOLD:DEFERRED", 0, "0:0,4096:0")
 
 
 def _load_spec(text: str) -> tuple[int, int]:
