@@ -184,32 +184,18 @@ def child_env() -> dict[str, str]:
     return {PRELOAD_VARIABLE: PRELOAD, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
-# Behind `vllm serve` (--server-engine): vLLM loads every `vllm.general_plugins` entry point in
-# each of its processes, this package's ``server_plugin`` among them, which installs the
-# recorder where this variable is "1" (only the bench sets it, for the servers it starts).
-# The counts come back through vLLM's dev-mode ``/collective_rpc`` and a worker extension.
-SERVER_VARIABLE = "VLLM_KT_BENCH_ROUTING"
-SERVER_RPC = "kt_bench_routing"
-
-
-def server_plugin() -> None:
-    """``vllm.general_plugins`` entry point: a no-op unless the bench started this server."""
-    if os.environ.get(SERVER_VARIABLE) == "1":
-        install()
-
-
-class RoutingExtension:
-    """vLLM worker extension (``--worker-extension-cls``): ``/collective_rpc`` takes only a
-    method's name, so the worker gets one that returns the recorder's sums."""
-
-    def kt_bench_routing(self) -> dict[str, Any]:
-        return collect()
+SERVER_RPC = "kt_bench_routing"  # the worker method bench/server_routing.py adds
 
 
 def server_recording() -> tuple[dict[str, str], list[str]]:
-    """The environment and ``vllm serve`` flags of a server whose routing is recorded."""
-    extension = f"{__name__}.{RoutingExtension.__name__}"
-    return {SERVER_VARIABLE: "1", "VLLM_SERVER_DEV_MODE": "1"}, ["--worker-extension-cls", extension]
+    """The environment and ``vllm serve`` flags of a server whose routing is recorded:
+    vLLM's worker imports ``bench/server_routing.py`` (its ``--worker-extension-cls``) before
+    it builds the model, which installs the recorder there, and the counts come back through
+    vLLM's dev-mode ``/collective_rpc``. Nothing is installed in servers the bench did not start."""
+    return {"VLLM_SERVER_DEV_MODE": "1"}, [
+        "--worker-extension-cls",
+        "vllm_kt_tools.bench.server_routing.RoutingExtension",
+    ]
 
 
 def server_counts(base_url: str, timeout_s: float = 60.0) -> dict[str, Any]:
