@@ -38,12 +38,12 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     assert all(run[figure] and run[figure] > 0 for figure in FIGURES), run
     assert run["prefill_long_prompt_tokens"] == section["workload"]["max_model_len"] - 2  # the tiny model's 512
     assert json.loads(out.read_text())["server_engine"] == json.loads(json.dumps(section))
-    # The routing behind `vllm serve`, counted as in the engine mode (bench/routing.py): every
-    # forward of one token picks top-k experts, and the 16 copies of one prompt sample apart.
-    # (This is the trained tiny model, not dummy weights: its batch of 16 touched 6.96 of 8
-    # experts per step where independent tokens touch 7.92, so that figure is not asserted.)
+    # The routing behind `vllm serve`, counted in the server's worker as in the engine mode
+    # (bench/routing.py) and read back through /collective_rpc: every forward of one token picks
+    # the top-2. Batch 16 is not asserted: on a 2-core box the 16 requests of a "batch" often do
+    # not share one step (one CI run counted 0 forwards of 16 tokens, a run beside it 25), and
+    # the engine test checks the sampled routing of a batch.
     routing = run["routing"]
     assert "error" not in routing, routing
-    assert routing["bs1"]["measured_distinct_per_layer_step"] == 2.0, routing  # top-2
-    assert routing["bs16"]["measured_distinct_per_layer_step"] > 4.0, routing  # more than two tokens' worth
-    assert min(routing[f"bs{n}"]["layer_forwards"] for n in (1, 16)) >= 8, routing
+    assert routing["bs1"]["measured_distinct_per_layer_step"] == 2.0, routing
+    assert routing["bs1"]["layer_forwards"] >= 8, routing
