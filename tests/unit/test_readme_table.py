@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from vllm_kt_tools.bench.table import markdown_table
+from vllm_kt_tools.bench.table import markdown_table, table_of
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!-- generated: python -m vllm_kt_tools\.bench\.table (?P<paths>[^>]+?) -->\n")
@@ -16,11 +15,7 @@ def test_readme_table_is_generated_from_the_sitting_it_names() -> None:
     readme = (ROOT / "README.md").read_text()
     found = MARKER.search(readme)
     assert found, "the README's benchmark table must name the JSON it was generated from"
-    runs: list[dict] = []
-    for path in found["paths"].split():
-        report = json.loads((ROOT / path).read_text())
-        runs += [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
-    table = markdown_table({"runs": runs})
+    table = table_of([ROOT / path for path in found["paths"].split()])
     assert readme[found.end() : found.end() + len(table)] == table, (
         "regenerate it: python -m vllm_kt_tools.bench.table " + found["paths"]
     )

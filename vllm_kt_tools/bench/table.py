@@ -61,24 +61,28 @@ def _cells(run: dict[str, Any]) -> list[str]:
     return cells
 
 
+def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Engine runs, then server runs."""
+    return [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """The table of every run in ``report`` (engine runs, then server runs)."""
     header = ["system", "GPU weights", *(column for column, *_ in COLUMNS), "experts per layer, batch 16"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    runs = [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
-    lines += ["| " + " | ".join(_cells(run)) + " |" for run in runs]
+    lines += ["| " + " | ".join(_cells(run)) + " |" for run in _runs(report)]
     return "\n".join(lines) + "\n"
+
+
+def table_of(paths: list[Path]) -> str:
+    """The table of the runs of these sittings' JSON files, in turn."""
+    return markdown_table({"runs": [run for path in paths for run in _runs(json.loads(path.read_text()))]})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="+", help="a sitting's JSON (several: their runs in turn)")
-    args = parser.parse_args()
-    runs: list[dict[str, Any]] = []
-    for path in args.results:
-        report = json.loads(path.read_text())
-        runs += [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
-    print(markdown_table({"runs": runs}), end="")
+    print(table_of(parser.parse_args().results), end="")
 
 
 if __name__ == "__main__":
