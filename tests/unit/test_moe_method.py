@@ -568,10 +568,7 @@ def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_runtime
     checkpoint loads and run by vLLM's FP8 MoE method (here its CPU build's kernel) from the
     staging buffer, whole layer or split; half the bytes of the BF16 copy. Within FP8's
     error of the dense reference (measured: see the bound). Experts 128 wide: the CPU kernel
-    takes 128 x 128 blocks only (vLLM refines the blocks of narrower experts). AMX tiles are
-    asked of the kernel first, as kt-kernel's import would: vLLM's CPU MoE kernels use them for
-    128-wide experts and die of SIGILL in a process that has not (the torch backend here)."""
-    torch.cpu._init_amx()
+    takes 128 x 128 blocks only (vLLM refines the blocks of narrower experts)."""
     env = dict(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="12", kt_gpu_prefill_fp8_copy="1")
     runner = build_moe(kt_config(**env, kt_gpu_prefill_split=split), inter=FP8_BLOCK)
     layer = runner.routed_experts

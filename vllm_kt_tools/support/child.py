@@ -53,6 +53,15 @@ def parse_result(log: str) -> Any:
     return None
 
 
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
 def run_child(
     target: str,
     kwargs: Mapping[str, Any],
@@ -74,6 +83,8 @@ def run_child(
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
             log.write(f"\n[child] killed after {timeout_s:.0f} s\n")
+        if code != 0:  # a signal (negative) or a C abort says nothing in the log itself
+            log.write(f"\n[child] exited with {_exit_status(code)}\n")
         log.flush()
         log.seek(0)
         text = log.read()

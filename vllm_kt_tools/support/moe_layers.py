@@ -25,11 +25,18 @@ def fresh_layer_index() -> int:
 @contextlib.contextmanager
 def vllm_world(vllm_config: Any, backend: str = "gloo") -> Iterator[Any]:
     """One-process tensor/pipeline-parallel groups under ``vllm_config``: what building a
-    MoE layer outside a model needs (gloo on the CPU, nccl on CUDA)."""
+    MoE layer outside a model needs (gloo on the CPU, nccl on CUDA).
+
+    On the CPU, AMX tiles are asked of the kernel first, as an engine's first oneDNN matmul
+    does before any MoE layer runs: vLLM's CPU MoE kernels use them and die of SIGILL in a
+    process that has not asked. kt-kernel asks only from its worker threads at their first
+    forward, so a layer run alone raced them (the split curve's test failed 5 times in 8)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.utils.network_utils import get_open_port
 
+    if backend == "gloo" and torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=1,
