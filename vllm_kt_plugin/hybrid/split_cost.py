@@ -10,7 +10,15 @@ for an expert already resident (prefetched while the previous layer ran). Both s
 at once, the CPU from kt-kernel's submit, the GPU's copies on the copy stream, so a layer
 takes about
 
-    max(copy(staged) + gpu(staged), cpu(rest)) + overhead (when anything is staged)
+    max(copy(copied) + gpu(staged), cpu(rest), copy(resident + copied)) + overhead
+
+(when anything is staged). The last term is the copy stream's own bound: layer after layer
+it carries each layer's prefetch (the next layer's resident experts, during this one) and
+its copies on demand, so a prefetch hides a copy's latency but not its time. Without it the
+model took prefetched experts for free and staged too many: the H100 curve of 2026-12-06
+(``benchmarks/results/h100_split_curve_qwen3_30b_a3b.json``) measured 14.2 ms a layer at
+2,048 tokens with 76 experts staged, 13.4 ms of them copies, where the model had planned
+on about 5 ms.
 
 Adding one expert to the staged set costs the same copy whichever it is and saves more
 CPU time the more tokens picked it, and resident experts cost no copy at all; so the
@@ -94,12 +102,14 @@ def gpu_time(costs: SplitCosts, experts: int, picks: float) -> float:
     return costs.gpu_s_fixed + experts * costs.gpu_s_per_expert + picks * costs.gpu_s_per_pick if experts else 0.0
 
 
-def _time(costs: SplitCosts, copied: int, gpu: float, cpu: float) -> float:
-    """The layer's time with ``copied`` experts copied in, the GPU's and the CPU's work."""
+def _time(costs: SplitCosts, resident: int, copied: int, gpu: float, cpu: float) -> float:
+    """The layer's time with ``copied`` experts copied in now, ``resident`` prefetched (used
+    or not: their copy ran), the GPU's and the CPU's work."""
     if not gpu:
         return cpu
     write = copied * costs.write_s_per_expert
-    return max(write + copied * costs.copy_s_per_expert + gpu, write + cpu) + costs.overhead_s
+    stream = (resident + copied) * costs.copy_s_per_expert  # the copy stream's share of a layer
+    return max(write + copied * costs.copy_s_per_expert + gpu, write + cpu, stream) + costs.overhead_s
 
 
 def layer_time(costs: SplitCosts, counts: Sequence[int], staged: Sequence[int], resident: Collection[int]) -> float:
@@ -108,7 +118,7 @@ def layer_time(costs: SplitCosts, counts: Sequence[int], staged: Sequence[int], 
     rest = [c for s, c in enumerate(counts) if c > 0 and s not in on_gpu]
     copied = sum(1 for s in on_gpu if s not in resident)
     gpu = gpu_time(costs, len(on_gpu), sum(counts[s] for s in on_gpu))
-    return _time(costs, copied, gpu, cpu_time(costs, len(rest), sum(rest)))
+    return _time(costs, len(resident), copied, gpu, cpu_time(costs, len(rest), sum(rest)))
 
 
 def plan(costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = ()) -> SplitPlan:
@@ -124,7 +134,7 @@ def plan(costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = (
         copied += slot not in resident
         staged_picks += counts[slot]
         gpu = gpu_time(costs, k, staged_picks)
-        t = _time(costs, copied, gpu, cpu_time(costs, len(order) - k, total_picks - staged_picks))
+        t = _time(costs, len(resident), copied, gpu, cpu_time(costs, len(order) - k, total_picks - staged_picks))
         if t < best_t:
             best_k, best_t = k, t
     staged = tuple(order[:best_k])
