@@ -5,13 +5,14 @@ Per forward, after routing: count the tokens each CPU expert got (one small devi
 read), let the cost model (``split_cost``) or a fixed share choose the staged experts,
 most-picked first, then
 
-    start copying the staged experts' rows on the copy stream -> submit the rest to the
-    CPU backend (the staged ones' ids are -1, which kt-kernel skips) -> native GPU experts
-    -> wait for the copies -> staged experts with the shadow method (an expert map sends
+    submit the rest to the CPU backend (the staged ones' ids are -1, which kt-kernel
+    skips) -> start copying the staged experts' rows on the copy stream -> native GPU
+    experts -> wait for the copies -> staged experts with the shadow method (an expert map sends
     every other expert to -1, which vLLM's Triton kernels drop) -> prefetch the next
     layer's predicted part -> sync the CPU and add the three.
 
-So a layer takes about max(copy(part) + GPU(part), CPU(rest)).
+So a layer takes about max(copy(part) + GPU(part), CPU(rest)), and no less than the copy
+stream's share of it (``split_cost``).
 
 **Why after routing, plus a predicted prefetch.** The staged set is chosen from this
 forward's own counts: which experts are hot changes from batch to batch, and staging a
@@ -213,8 +214,6 @@ class SplitPath(GPUPrefillPath):
         slot_of = None
         index = None
         if staged:
-            rows = staged if self.by_expert and len(staged) < host.num_experts else None
-            index = staging.start(host, rows)  # the copies first: they overlap everything below
             mask = torch.zeros(host.cpu_slot_of.numel(), dtype=torch.bool)
             mask[self.cpu_expert_ids[staged]] = True
             mask = mask.to(topk_ids.device)
@@ -224,6 +223,15 @@ class SplitPath(GPUPrefillPath):
             cpu_ids = topk_ids
         if on_cpu:
             self.cpu.submit(x_cpu, cpu_ids, topk_weights)
+        if staged:
+            # The CPU's part first, then the copies: issuing a copy per staged expert takes
+            # the host a while, and the copy stream is mostly still busy with this layer's
+            # prefetch, while the CPU waits for its submit. (The H100 curve of 2026-12-06
+            # issued the copies first, and its split took 1.0-1.2x the model's time with the
+            # BF16 copy, 1.2-1.5x with the FP8 one; whether this was why is the next
+            # sitting's to tell.)
+            rows = staged if self.by_expert and len(staged) < host.num_experts else None
+            index = staging.start(host, rows)
         out = self.gpu_experts(forward)
         if index is not None:
             views = staging.wait(index, host)
