@@ -2,11 +2,12 @@
 # A head-to-head sitting (issues 27 and 28) for a host with about 17 minutes of device time
 # left after the vLLM bundle: one method (AMXINT4), 16-token decode runs, and the most wanted
 # figures first in case the host is taken back. Planned 2026-12-06, when no host could be
-# started: it has not run yet. Left out, for lack of time: vLLM's prefetch offloader (at
+# started: it has not run yet (its split-curve stage ran alone on an H100 later that day:
+# docs/split.md). Left out, for lack of time: vLLM's prefetch offloader (at
 # 17 GiB it streams 37 layers' experts, ~42 GB, per step: about 0.8 s a step by the copy
 # bound, so its decode runs alone would take ~10 minutes), `--cpu-offload-gb` without
 # `--cpu-offload-params` (dominated by the expert-only one) and sglang-kt (85 bundle parts:
-# ~13 minutes of carrying; docs/benchmarks.md's sitting 4 runs it).
+# ~7 minutes of carrying at 2026-12-06's 4.7 s a part; docs/benchmarks.md's sitting 4 runs it).
 # Run detached from a copy of the repo on a host prepared as ../shared/gpu-host/README.md says:
 #   setsid nohup bash benchmarks/sittings/head-to-head-short.sh > /root/sitting.log 2>&1 &
 set -u
