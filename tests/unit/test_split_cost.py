@@ -84,6 +84,7 @@ def test_prefetched_experts_still_take_the_copy_stream_time() -> None:
     warm = plan(H200_LIKE, counts, resident)
     stream = (len(resident) + warm.copied) * H200_LIKE.copy_s_per_expert
     assert warm.predicted_s >= stream + H200_LIKE.overhead_s - 1e-12
+    assert warm.cpu_only_s >= len(resident) * H200_LIKE.copy_s_per_expert  # the prefetch ran for every choice
     assert warm.predicted_s > plan(H200_LIKE, counts, set(range(balanced_count(H200_LIKE, counts)))).predicted_s
 
 

@@ -12,7 +12,8 @@ takes about
 
     max(copy(copied) + gpu(staged), cpu(rest), copy(resident + copied)) + overhead
 
-(when anything is staged). The last term is the copy stream's own bound: layer after layer
+(when anything is staged; the CPU path's time is max(cpu(all), copy(resident))). The last
+term is the copy stream's own bound: layer after layer
 it carries each layer's prefetch (the next layer's resident experts, during this one) and
 its copies on demand, so a prefetch hides a copy's latency but not its time. Without it the
 model took prefetched experts for free and staged too many: the H100 curve of 2026-12-06
@@ -105,10 +106,10 @@ def gpu_time(costs: SplitCosts, experts: int, picks: float) -> float:
 def _time(costs: SplitCosts, resident: int, copied: int, gpu: float, cpu: float) -> float:
     """The layer's time with ``copied`` experts copied in now, ``resident`` prefetched (used
     or not: their copy ran), the GPU's and the CPU's work."""
-    if not gpu:
-        return cpu
-    write = copied * costs.write_s_per_expert
     stream = (resident + copied) * costs.copy_s_per_expert  # the copy stream's share of a layer
+    if not gpu:  # the CPU path: the prefetch still ran, so every choice is bound alike
+        return max(cpu, stream)
+    write = copied * costs.write_s_per_expert
     return max(write + copied * costs.copy_s_per_expert + gpu, write + cpu, stream) + costs.overhead_s
 
 
@@ -127,7 +128,7 @@ def plan(costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = (
     expert (by slot) in this forward; ``resident``: slots already on the GPU."""
     order = order_for_staging(counts, resident)
     total_picks = sum(counts[s] for s in order)
-    cpu_only = cpu_time(costs, len(order), total_picks)
+    cpu_only = _time(costs, len(resident), 0, 0.0, cpu_time(costs, len(order), total_picks))
     best_k, best_t = 0, cpu_only
     copied, staged_picks = 0, 0.0
     for k, slot in enumerate(order, start=1):  # layer_time of order[:k], incrementally
