@@ -13,10 +13,10 @@ takes about
     max(copy(copied) + gpu(staged), cpu(rest), copy(resident + copied)) + overhead
 
 (when anything is staged; the CPU path's time is max(cpu(all), copy(resident))). The last
-term is the copy stream's own bound: layer after layer
-it carries each layer's prefetch (the next layer's resident experts, during this one) and
-its copies on demand, so a prefetch hides a copy's latency but not its time. Without it the
-model took prefetched experts for free and staged too many: the H100 curve of 2026-12-06
+term is the copy stream's own bound: layer after layer it carries each layer's prefetch
+(the next layer's resident experts, during this one) and its copies on demand, so a
+prefetch hides a copy's latency but not its time. Without it the model took prefetched
+experts for free and staged too many: the H100 curve of 2026-12-06
 (``benchmarks/results/h100_split_curve_qwen3_30b_a3b.json``) measured 14.2 ms a layer at
 2,048 tokens with 76 experts staged, 13.4 ms of them copies, where the model had planned
 on about 5 ms.
