@@ -352,6 +352,7 @@ class StagingBuffers:
         self.owner: list[HostExperts | None] = [None, None]
         self.rows: list[set[int]] = [set(), set()]  # rows of the owner each buffer holds
         self.rows_copied = 0  # expert rows copied in so far, for tests and the bench
+        self.fresh = [0, 0]  # rows copied into each buffer since its forward last asked (the split's model)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
@@ -402,6 +403,7 @@ class StagingBuffers:
         if self.owner[index] is not host:
             self.owner[index] = host
             self.rows[index] = set()
+            self.fresh[index] = 0
         every = rows is None
         wanted = range(host.num_experts) if rows is None else rows
         missing = sorted(r for r in set(wanted) if r not in self.rows[index])
@@ -417,6 +419,7 @@ class StagingBuffers:
         runs = [(0, 0, host.num_experts)] if every and not self.rows[index] and host.copies else _runs(pairs)
         self.rows[index].update(missing)
         self.rows_copied += len(missing)
+        self.fresh[index] += len(missing)
         if not self.cuda:
             _copy_runs(views, source, runs, non_blocking=False)
             return
@@ -433,6 +436,16 @@ class StagingBuffers:
         """The rows of ``host`` a buffer holds or is copying in (prefetched)."""
         index = self._slot_of(host)
         return set(self.rows[index]) if index is not None else set()
+
+    def take_prefetched(self, host: HostExperts) -> int:
+        """Rows copied in for ``host`` since its forward last asked (its prefetch): copy-stream
+        time spent whether or not this forward uses them. Counted once: the next ask starts
+        from zero."""
+        index = self._slot_of(host)
+        if index is None:
+            return 0
+        fresh, self.fresh[index] = self.fresh[index], 0
+        return fresh
 
     def acquire(self, host: HostExperts, rows: list[int] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """``host``'s weights (of ``rows``, by default all) on the device, copied now
@@ -453,6 +466,7 @@ class StagingBuffers:
         """Work queued on the current stream from now on sees buffer ``index`` copied."""
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.ready[index])
+        self.fresh[index] = 0  # its copies on demand: the forward's plan counted them
         self.uses += 1
         self.last = index
         return self._views(index, host)

@@ -10,16 +10,16 @@ for an expert already resident (prefetched while the previous layer ran). Both s
 at once, the CPU from kt-kernel's submit, the GPU's copies on the copy stream, so a layer
 takes about
 
-    max(copy(copied) + gpu(staged), cpu(rest), copy(resident + copied)) + overhead
+    max(write + copy(copied) + gpu(staged), write + cpu(rest), copy(prefetched + copied)) + overhead
 
-(when anything is staged; the CPU path's time is max(cpu(all), copy(resident))). The last
+when anything is staged, and max(cpu(all), copy(prefetched)) when nothing is. The last
 term is the copy stream's own bound: layer after layer it carries each layer's prefetch
-(the next layer's resident experts, during this one) and its copies on demand, so a
-prefetch hides a copy's latency but not its time. Without it the model took prefetched
-experts for free and staged too many: the H100 curve of 2026-12-06
-(``benchmarks/results/h100_split_curve_qwen3_30b_a3b.json``) measured 14.2 ms a layer at
-2,048 tokens with 76 experts staged, 13.4 ms of them copies, where the model had planned
-on about 5 ms.
+(copied while the layer before ran) and its copies on demand, so a prefetch hides a copy's
+latency but not its time. Without it the model took prefetched experts for free and
+staged too many: on the H100 curve of 2026-12-06
+(``benchmarks/results/h100_split_curve_qwen3_30b_a3b.json``) a layer of 2,048 tokens took
+14.2 ms with 76 experts staged (12.4-13.4 ms of copies, by the measured stream or the
+probe), where the model had planned on about 5 ms.
 
 Adding one expert to the staged set costs the same copy whichever it is and saves more
 CPU time the more tokens picked it, and resident experts cost no copy at all; so the
@@ -103,39 +103,53 @@ def gpu_time(costs: SplitCosts, experts: int, picks: float) -> float:
     return costs.gpu_s_fixed + experts * costs.gpu_s_per_expert + picks * costs.gpu_s_per_pick if experts else 0.0
 
 
-def _time(costs: SplitCosts, resident: int, copied: int, gpu: float, cpu: float) -> float:
-    """The layer's time with ``copied`` experts copied in now, ``resident`` prefetched (used
-    or not: their copy ran), the GPU's and the CPU's work."""
-    stream = (resident + copied) * costs.copy_s_per_expert  # the copy stream's share of a layer
-    if not gpu:  # the CPU path: the prefetch still ran, so every choice is bound alike
+def _time(costs: SplitCosts, staged: int, prefetched: int, copied: int, gpu: float, cpu: float) -> float:
+    """The layer's time with ``staged`` experts on the GPU, ``copied`` of them copied in
+    now, ``prefetched`` rows copied in for it while the layer before ran (used or not:
+    their copy ran), the GPU's and the CPU's work."""
+    stream = (prefetched + copied) * costs.copy_s_per_expert  # the copy stream's share of a layer
+    if not staged:  # the CPU path: the prefetch still ran, so every choice is bound alike
         return max(cpu, stream)
     write = copied * costs.write_s_per_expert
     return max(write + copied * costs.copy_s_per_expert + gpu, write + cpu, stream) + costs.overhead_s
 
 
-def layer_time(costs: SplitCosts, counts: Sequence[int], staged: Sequence[int], resident: Collection[int]) -> float:
-    """The model's time of one layer's CPU experts with ``staged`` on the GPU."""
+def layer_time(
+    costs: SplitCosts,
+    counts: Sequence[int],
+    staged: Sequence[int],
+    resident: Collection[int],
+    prefetched: int | None = None,
+) -> float:
+    """The model's time of one layer's CPU experts with ``staged`` on the GPU
+    (``prefetched``: rows copied in for this forward, by default every resident one)."""
     on_gpu = set(staged)
     rest = [c for s, c in enumerate(counts) if c > 0 and s not in on_gpu]
     copied = sum(1 for s in on_gpu if s not in resident)
     gpu = gpu_time(costs, len(on_gpu), sum(counts[s] for s in on_gpu))
-    return _time(costs, len(resident), copied, gpu, cpu_time(costs, len(rest), sum(rest)))
+    fresh = len(resident) if prefetched is None else prefetched
+    return _time(costs, len(on_gpu), fresh, copied, gpu, cpu_time(costs, len(rest), sum(rest)))
 
 
-def plan(costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = ()) -> SplitPlan:
+def plan(
+    costs: SplitCosts, counts: Sequence[int], resident: Collection[int] = (), prefetched: int | None = None
+) -> SplitPlan:
     """The staged set with the least modelled layer time among the prefixes of
     ``order_for_staging`` (ties: fewer staged). ``counts``: tokens routed to each CPU
-    expert (by slot) in this forward; ``resident``: slots already on the GPU."""
+    expert (by slot) in this forward; ``resident``: slots already on the GPU;
+    ``prefetched``: rows copied in for this forward (by default every resident one; a
+    buffer that kept its rows from an earlier forward copied fewer)."""
     order = order_for_staging(counts, resident)
     total_picks = sum(counts[s] for s in order)
-    cpu_only = _time(costs, len(resident), 0, 0.0, cpu_time(costs, len(order), total_picks))
+    fresh = len(resident) if prefetched is None else prefetched
+    cpu_only = _time(costs, 0, fresh, 0, 0.0, cpu_time(costs, len(order), total_picks))
     best_k, best_t = 0, cpu_only
     copied, staged_picks = 0, 0.0
     for k, slot in enumerate(order, start=1):  # layer_time of order[:k], incrementally
         copied += slot not in resident
         staged_picks += counts[slot]
         gpu = gpu_time(costs, k, staged_picks)
-        t = _time(costs, len(resident), copied, gpu, cpu_time(costs, len(order) - k, total_picks - staged_picks))
+        t = _time(costs, k, fresh, copied, gpu, cpu_time(costs, len(order) - k, total_picks - staged_picks))
         if t < best_t:
             best_k, best_t = k, t
     staged = tuple(order[:best_k])

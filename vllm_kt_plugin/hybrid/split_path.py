@@ -6,8 +6,9 @@ read), let the cost model (``split_cost``) or a fixed share choose the staged ex
 most-picked first, then
 
     submit the rest to the CPU backend (the staged ones' ids are -1, which kt-kernel
-    skips) -> start copying the staged experts' rows on the copy stream -> native GPU
-    experts -> wait for the copies -> staged experts with the shadow method (an expert map sends
+    skips) -> start copying the staged experts' rows on the copy stream (a layer without a
+    host copy: written out by kt-kernel first, then submitted) -> native GPU experts ->
+    wait for the copies -> staged experts with the shadow method (an expert map sends
     every other expert to -1, which vLLM's Triton kernels drop) -> prefetch the next
     layer's predicted part -> sync the CPU and add the three.
 
@@ -138,12 +139,12 @@ class SplitPath(GPUPrefillPath):
 
     # --- planning ------------------------------------------------------------------------
 
-    def plan(self, counts: list[int], resident: set[int]) -> SplitPlan:
+    def plan(self, counts: list[int], resident: set[int], prefetched: int | None = None) -> SplitPlan:
         if self.share is not None:
             chosen = share_plan(counts, self.share, resident)
         else:
             assert self.costs is not None, "probed on the first forward"
-            chosen = plan(self.costs, counts, resident)
+            chosen = plan(self.costs, counts, resident, prefetched)
         if not self.by_expert and 0 < len(chosen.staged) < chosen.picked:
             every = tuple(s for s, c in enumerate(counts) if c > 0)
             whole = SplitPlan(every, chosen.picked, len(every), chosen.predicted_s, chosen.cpu_only_s)
@@ -203,7 +204,7 @@ class SplitPath(GPUPrefillPath):
         chosen = None
         if x.shape[0] >= self.plan_min_tokens:
             counts = self.counts(topk_ids)
-            chosen = self.plan(counts, staging.resident(host))
+            chosen = self.plan(counts, staging.resident(host), staging.take_prefetched(host))
             self._count(chosen, x.shape[0])
         staged = sorted(chosen.staged) if chosen is not None else []
         # With deferral (KT_MAX_DEFERRED_EXPERTS_PER_TOKEN) the previous layer's deferred
@@ -221,17 +222,20 @@ class SplitPath(GPUPrefillPath):
             cpu_ids = topk_ids.masked_fill(mask[topk_ids.long()], -1)  # kt-kernel skips -1
         else:
             cpu_ids = topk_ids
+        # With a host copy, the CPU's part is submitted first, then the copies are issued:
+        # issuing a copy per staged expert takes the host a while, and the copy stream is
+        # mostly still busy with this layer's prefetch, while the CPU waits for its submit.
+        # (The H100 curve of 2026-12-06 issued the copies first, and its split took 1.02-1.22x
+        # the model's time with the BF16 copy, 0.94-1.49x with the FP8 one; whether this was
+        # why is the next sitting's to tell.) A layer kt-kernel writes out (no host copy) is
+        # written on the threads the submit would occupy: there the write goes first.
+        copies_first = bool(staged) and not host.copies
+        if copies_first:
+            index = staging.start(host, self._rows(staged))
         if on_cpu:
             self.cpu.submit(x_cpu, cpu_ids, topk_weights)
-        if staged:
-            # The CPU's part first, then the copies: issuing a copy per staged expert takes
-            # the host a while, and the copy stream is mostly still busy with this layer's
-            # prefetch, while the CPU waits for its submit. (The H100 curve of 2026-12-06
-            # issued the copies first, and its split took 1.0-1.2x the model's time with the
-            # BF16 copy, 1.2-1.5x with the FP8 one; whether this was why is the next
-            # sitting's to tell.)
-            rows = staged if self.by_expert and len(staged) < host.num_experts else None
-            index = staging.start(host, rows)
+        if staged and not copies_first:
+            index = staging.start(host, self._rows(staged))
         out = self.gpu_experts(forward)
         if index is not None:
             views = staging.wait(index, host)
@@ -247,6 +251,11 @@ class SplitPath(GPUPrefillPath):
                 cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
             out = cpu_out.clone() if out is None else out + cpu_out
         return out if out is not None else torch.zeros_like(x)
+
+    def _rows(self, staged: list[int]) -> list[int] | None:
+        """The staged rows to copy (None: the whole layer, one copy per tensor)."""
+        assert self.host is not None
+        return staged if self.by_expert and len(staged) < self.host.num_experts else None
 
     def _prefetch_next(self, counts: list[int], chosen: SplitPlan, index: int | None) -> None:
         """The next layer's predicted part into the other buffer, while this one computes."""
