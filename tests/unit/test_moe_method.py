@@ -14,6 +14,7 @@ from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+from vllm_kt_plugin.hybrid.vllm_compat import cpu_runs_block_fp8_moe
 from vllm_kt_plugin.planning.placement import ExpertPlacement, route_to_gpu_slots
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
@@ -559,7 +560,7 @@ def test_block_fp8_quantization_round_trips() -> None:
 
 
 @pytest.mark.skipif(
-    not torch.cpu._is_amx_tile_supported(),
+    not cpu_runs_block_fp8_moe(),
     reason="vLLM's CPU build runs block-FP8 MoE only on AMX CPUs (CPUExpertsFp8); the GPU sitting measures it",
 )
 @pytest.mark.parametrize("split", ["auto", "0.5"])
@@ -595,7 +596,7 @@ def test_fp8_host_copy_refuses_experts_the_cpu_kernel_cannot_block(vllm_layer_co
     are one clear line at build time, not vLLM's "Unsupported FP8 MoE backend: NONE" while
     the weights load (the AMX check comes first where there is no AMX)."""
     env = dict(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="12", kt_gpu_prefill_fp8_copy="1")
-    why = "128 x 128 blocks only" if torch.cpu._is_amx_tile_supported() else "only on AMX CPUs"
+    why = "128 x 128 blocks only" if cpu_runs_block_fp8_moe() else "only on AMX CPUs"
     with pytest.raises(KTConfigError, match=why) as refused:
         build_moe(kt_config(**env))
     assert refused.value.variable == "KT_GPU_PREFILL_FP8_COPY"
