@@ -207,10 +207,9 @@ def test_auto_split_probes_and_keeps_the_tokens(qwen3, plain_graphs: list) -> No
 #              kt-kernel's own BF16 experts written back (exact);
 #   AMXINT8/4: GPU prefill off, kt-kernel's AMX experts against its BF16 ones.
 # The auto rule (settings/staging.py, FP8_COPY_AUTO_METHODS) turns the copy on for a method only
-# where the copy's drift is at most the method's own. FP8_COPY_BOUNDS: PROVISIONAL until this runs
-# on a GPU (vLLM's CPU build, AMX box, 2026-12-06, /work/scratch measurement: Qwen3-MoE 128-wide
-# FP8 copy 0.0150, AMXINT8 0.0124, AMXINT4 0.128, no completion differing); the sitting prints
-# the GPU's values and the bounds become those plus a stated margin.
+# where the copy's drift is at most the method's own (its CPU-build measurement is there).
+# FP8_COPY_BOUNDS: PROVISIONAL until this runs on a GPU; the sitting prints the GPU's values and
+# the bounds become those plus a stated margin.
 FP8_COPY_MODELS = [("qwen3_moe", True), ("deepseek_v3", True), ("mixtral", False)]  # (arch, 128-wide variant)
 FP8_COPY_BOUNDS = {"qwen3_moe": (1, 0.1), "deepseek_v3": (1, 0.1), "mixtral": (1, 0.1)}
 

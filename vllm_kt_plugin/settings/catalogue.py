@@ -404,8 +404,8 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_FP8_COPY",
-        "auto: on with AMXINT4/AMXINT8 CPU experts of a BF16/FP16 checkpoint on a GPU with FP8 (compute "
-        "capability >= 8.9), one tensor-parallel rank; else off (docs/split.md)",
+        "auto: on with AMXINT4 CPU experts of a BF16/FP16 checkpoint on a GPU with FP8 (compute capability "
+        ">= 8.9), one tensor-parallel rank (its drift is within AMXINT4's own); else off (docs/split.md)",
         "auto, 0 or 1; 1 needs GPU prefill on and a BF16/FP16 checkpoint on one tensor-parallel rank",
         "1: GPU prefill keeps the CPU experts' host copy in block FP8 (128 x 128 blocks, float32 scales) instead of "
         "the checkpoint's BF16: half the RAM and half the bytes over PCIe; the GPU computes those experts in FP8",
