@@ -50,7 +50,8 @@ def staging_refusal(
 # the FP8 host copy's drift from the exact copy, measured the same way (tests/engine/test_gpu.py,
 # test_fp8_copy_drift_within_the_cpu_methods_drift; docs/split.md): with them the copy adds no
 # more error than the CPU experts carry. Measured first on vLLM's CPU build (AMX box,
-# 2026-12-06; chosen-token logprob drift, half the experts on the CPU, no completion differing):
+# 2026-12-06, `python benchmarks/fp8_copy_accuracy.py`; chosen-token logprob drift, half the experts
+# on the CPU, no completion differing):
 #   model                FP8 copy   AMXINT8   AMXINT4
 #   Qwen3-MoE, 128 wide  0.0150     0.0124    0.128
 #   Mixtral              0.0016     0.0042    0.0265
