@@ -29,6 +29,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--model", str(model), "--systems", "kt-hybrid", "--methods", "BF16", "--gpu-weight-gb", "0.05"]
+    argv += ["--kt-env", "KT_NUM_GPU_EXPERTS=4"]  # half of the 8 on kt-kernel (0.05 GiB would hold them all)
     argv += [
         "--server-engine",
         "--decode-tokens",
