@@ -31,6 +31,7 @@
 #                 offloader's sweep PREFETCH_SWEEP) -> --append to BENCH_JSON; its prefetch_sweep.chosen
 #                 names the point for the load stage (PREFETCH_POINT=GROUP:STEP)
 #   (bench and load time bare kt-kernel first, --kernel-sweep, unless KERNEL_SWEEP=0)
+#   sweep         that kernel sweep alone, appended to BENCH_JSON
 #   load          LOAD_SYSTEMS behind `vllm serve` under `vllm bench serve`, 1000 requests at 64 each
 #                 (OFFLOAD_LOAD=N:C: fewer for vLLM's offloaders; sglang-kt: its own server under
 #                 SGLANG_PYTHON, from benchmarks/sglang-bundle.sh, reading the AMX experts `prepare` made)
@@ -173,9 +174,16 @@ run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head
   if [ -n "${SGLANG_PYTHON:-}" ]; then  # its package set may still be arriving, carried beside the stages before
     for _ in $(seq "${SGLANG_WAIT_S:-600}"); do [ -x "$SGLANG_PYTHON" ] && break; sleep 1; done
   fi
+  # SERVER_LOAD=N:C: then the load against each server measured; SERVER_ENGINE_ARGS: e.g. --append
+  # shellcheck disable=SC2086 - SERVER_ENGINE_ARGS is a list of arguments
   "${BENCH[@]}" --methods AMXINT4 --systems "${SERVER_ENGINE_SYSTEMS:-kt-hybrid,sglang-kt}" --server-engine \
-      "${SGLANG[@]}" "${SWEEP[@]}" \
-      --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" > "$BENCH_OUT/server-engine.log" 2>&1
+      "${SGLANG[@]}" "${SWEEP[@]}" ${SERVER_LOAD:+--load $SERVER_LOAD} ${SERVER_ENGINE_ARGS:-} \
+      --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" >> "$BENCH_OUT/server-engine.log" 2>&1
+}
+
+run_sweep() {  # bare kt-kernel through every layer, alone (no engine)
+  "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4}" --kernel-sweep --sweep-only --append \
+      --out "$BENCH_OUT/${BENCH_JSON:-h200_qwen3_30b_a3b.json}" > "$BENCH_OUT/sweep.log" 2>&1
 }
 
 run_fp8_bench() {  # the block-FP8 checkpoint: FP8 on the GPU everywhere, kt-kernel FP8 on the CPU

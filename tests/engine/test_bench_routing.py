@@ -18,6 +18,7 @@ from vllm_kt_tools.bench.engine_runs import RunSpec
 from vllm_kt_tools.bench.routing import COUNTED_TOKENS, TOLERANCE, expected_distinct
 
 TINY_DECODE_TOKENS = 16
+TINY_DECODE_REPEATS = 3  # the sittings run 5: fewer here keeps CI's time (the figures are not read)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,13 @@ def bench_run(tiny_model, tmp_path_factory: pytest.TempPathFactory, monkeypatch_
     for name, value in clean_env().items():
         monkeypatch_module.setenv(name, value)
     spec = RunSpec(
-        "vllm-gpu", "bf16", model=str(model), load_format="dummy", gpu_weight_gb=0.0, decode_tokens=TINY_DECODE_TOKENS
+        "vllm-gpu",
+        "bf16",
+        model=str(model),
+        load_format="dummy",
+        gpu_weight_gb=0.0,
+        decode_tokens=TINY_DECODE_TOKENS,
+        decode_repeats=TINY_DECODE_REPEATS,
     )
     result = run_in_child(spec, tmp_path_factory.mktemp("bench-logs"), timeout_s=900)
     assert "error" not in result, result["error"]
@@ -57,7 +64,7 @@ def test_bench_records_routing_of_independent_tokens(bench_run: dict, tiny_model
         figure = routing[f"bs{tokens}"]
         want = expected_distinct(experts, top_k, tokens)
         assert figure["expected_independent"] == pytest.approx(want, abs=0.01)
-        # the decode repeats: DECODE_REPEATS pairs of runs, each decode_tokens steps at least
+        # the decode repeats: TINY_DECODE_REPEATS pairs of runs, each decode_tokens steps at least
         assert figure["layer_forwards"] >= TINY_DECODE_TOKENS, figure
         measured = figure["measured_distinct_per_layer_step"]
         assert abs(measured - want) / want <= TOLERANCE, (tokens, measured, want)

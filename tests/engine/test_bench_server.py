@@ -29,7 +29,18 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--model", str(model), "--systems", "kt-hybrid", "--methods", "BF16", "--gpu-weight-gb", "0.05"]
-    argv += ["--server-engine", "--decode-tokens", "8", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    argv += ["--kt-env", "KT_NUM_GPU_EXPERTS=4"]  # half of the 8 on kt-kernel (0.05 GiB would hold them all)
+    argv += [
+        "--server-engine",
+        "--decode-tokens",
+        "8",
+        "--decode-repeats",
+        "3",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     report = run_sitting(parser.parse_args(argv))
     section = report["server_engine"]
     [run] = section["runs"]
@@ -47,3 +58,21 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     assert "error" not in routing, routing
     assert routing["bs1"]["measured_distinct_per_layer_step"] == 2.0, routing
     assert routing["bs1"]["layer_forwards"] >= 8, routing
+    # kt-hybrid's per-forward timeline (bench/timeline.py), read back through /collective_rpc:
+    # every prefill measurement's forwards, each a step through every MoE layer, and vLLM's
+    # steps as it cut them: 8 prompts' tokens in all under "8 x N", one prompt alone per step
+    # under "alone". (Times on this build mean nothing; their presence does.)
+    config = json.loads((model / "config.json").read_text())
+    timeline = run["timeline"]
+    steps, summary = timeline["steps"], timeline["summary"]
+    prefill = run["prefill_prompt_tokens"]
+    batch = [s for s in steps if s["label"] == f"8 x {prefill}"]
+    assert sum(s["tokens"] for s in batch) == 8 * prefill, [(s["label"], s["tokens"]) for s in steps]
+    alone = [s for s in steps if s["label"].startswith(f"one {prefill} alone")]
+    assert len(alone) == 3 and all(s["tokens"] == prefill for s in alone), alone
+    assert any(s["label"] == f"one {run['prefill_long_prompt_tokens']}" for s in steps)
+    for step in steps:
+        assert [layer["layer"] for layer in step["layers"]] == list(range(config["num_hidden_layers"]))
+        assert all(layer["path"] == "CPU-experts" and layer["cpu_ms"] > 0 for layer in step["layers"]), step
+    assert [x["tokens"] for x in summary] == [s["tokens"] for s in steps]
+    assert all(x["moe_ms"] > 0 and x["span_ms"] >= x["moe_ms"] for x in summary), summary

@@ -267,7 +267,7 @@ def test_a_load_sitting_sweeps_the_kernel_first(tmp_path: Path, monkeypatch: pyt
     order: list[str] = []
     monkeypatch.setattr(bench, "host_info", lambda: {})
     monkeypatch.setattr(bench, "sweep_kernels", lambda runs, report, log_dir, a: order.append("sweep"))
-    monkeypatch.setattr(bench, "run_load", lambda a, runs, report, log_dir: order.append("load") or report)
+    monkeypatch.setattr(bench, "run_load", lambda a, runs, hybrid, report, log_dir: order.append("load") or report)
     argv = ("--kernel-sweep", "--load", "10:2", "--systems", "kt-hybrid", "--workdir", str(tmp_path))
     bench.run_sitting(args(*argv, "--out", str(tmp_path / "load.json")))
     assert order == ["sweep", "load"]

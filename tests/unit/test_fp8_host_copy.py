@@ -79,3 +79,27 @@ def test_fp8_copy_is_refused_at_config_time_on_a_quantized_checkpoint() -> None:
 def test_fp8_copy_needs_gpu_prefill() -> None:
     with pytest.raises(KTConfigError, match="KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off"):
         KTSettings.from_env({"KT_GPU_PREFILL_FP8_COPY": "1", "KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1)
+
+
+def test_auto_turns_the_fp8_copy_on_only_where_it_adds_no_more_error_than_the_cpu_experts() -> None:
+    """KT_GPU_PREFILL_FP8_COPY=auto (settings.staging): on for the AMX methods of an unquantized
+    checkpoint on one rank of a GPU with FP8; each other case off, saying why; 0 and 1 as set."""
+    from vllm_kt_plugin.settings.staging import FP8_COPY_AUTO_METHODS, fp8_copy_on, fp8_copy_refusal
+
+    hopper = (9, 0)
+    for method in FP8_COPY_AUTO_METHODS:
+        assert fp8_copy_refusal(method, quantized=False, tensor_parallel_size=1, capability=hopper) is None
+        assert fp8_copy_refusal(method.lower(), quantized=False, tensor_parallel_size=1, capability=(8, 9)) is None
+    off = {
+        "no CUDA device": ("AMXINT4", False, 1, None),
+        "compute capability 8.0": ("AMXINT4", False, 1, (8, 0)),
+        "quantized already": ("AMXINT4", True, 1, hopper),
+        "one tensor-parallel rank, not 2": ("AMXINT4", False, 2, hopper),
+        "KT_METHOD=BF16": ("BF16", False, 1, hopper),
+    }
+    for why, (method, quantized, tp, capability) in off.items():
+        refusal = fp8_copy_refusal(method, quantized=quantized, tensor_parallel_size=tp, capability=capability)
+        assert refusal is not None and why in refusal, (why, refusal)
+        assert not fp8_copy_on(None, method, quantized=quantized, tensor_parallel_size=tp, capability=capability)
+        assert fp8_copy_on(True, method, quantized=quantized, tensor_parallel_size=tp, capability=capability)
+    assert not fp8_copy_on(False, "AMXINT4", quantized=False, tensor_parallel_size=1, capability=hopper)

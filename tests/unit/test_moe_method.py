@@ -10,6 +10,7 @@ import torch
 from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
+from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward
 from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
@@ -542,6 +543,38 @@ def test_split_probe_measures_usable_costs(vllm_layer_context, fresh_runtime) ->
     assert probed.expert_nbytes == host.expert_nbytes == host.staged_nbytes // (E - 2)
     assert plan(costs, [3] * (E - 2)).picked == E - 2
     assert (staging.rows_copied, staging.uses) == counters  # the probe is not a forward
+
+
+def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_runtime) -> None:
+    """Above ``whole_min_tokens`` (the cost model's choice, path_thresholds) the split stages
+    every CPU expert with no routing read-back and leaves nothing to the CPU; below it, it
+    plans as before. Matches the dense reference either way."""
+    from vllm_kt_plugin.hybrid.split_cost import SplitCosts
+    from vllm_kt_plugin.hybrid.split_path import SplitPath
+
+    runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="4"))
+    experts = random_experts(E, seed=47)
+    load(runner, experts)
+    method = runner.routed_experts.quant_method
+    prefill = method.gpu_prefill
+    path = SplitPath(method.parts, 4, method.cpu)  # the cost model (no share), on the loaded layer's copy
+    path.attach(prefill.host, prefill.staging)
+    path.costs = SplitCosts(1e-4, 1e-5, 1e-6, 1e-6, 1e-8)  # probed in the engine; any here
+    path.plan_min_tokens, path.whole_min_tokens = 8, 32
+    layer = runner.routed_experts
+    submitted = []
+    real_submit = method.cpu.submit
+    method.cpu.submit = lambda *a: (submitted.append(a[0].shape[0]), real_submit(*a))[1]  # type: ignore[method-assign]
+    for tokens, whole in ((16, False), (40, True)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        ids, weights = random_routing(tokens, E, K, seed=tokens)
+        copied, forwards, wholes = prefill.staging.rows_copied, path.forwards, path.whole_forwards
+        out = path.run(Forward(layer, x, weights, ids, False), NO_MARKS)
+        assert_close(out, reference_moe(x, ids, weights, experts))
+        assert path.whole_forwards == wholes + whole and path.forwards == forwards + (not whole)
+        if whole:  # every CPU expert copied (none was resident) and nothing submitted to the CPU
+            assert prefill.staging.rows_copied - copied == E - 2 and submitted[-1] != tokens
+    assert submitted[-1] == 16
 
 
 def test_block_fp8_quantization_round_trips() -> None:

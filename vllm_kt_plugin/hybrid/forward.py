@@ -65,11 +65,15 @@ class LayerParts:
 
 
 class StageMarks(Protocol):
-    """Points of a forward on the CPU-experts path (an observer's timing probe)."""
+    """Points of a forward (an observer's timing probe): every path marks the GPU side
+    done and the CPU result synced; the CPU-experts path and the split mark the submit."""
 
     def submitted(self) -> None: ...
 
     def gpu_done(self) -> None: ...
+
+    def planned(self, staged: int, picked: int) -> None:
+        """The path staged ``staged`` of the ``picked`` CPU experts on the GPU (the split)."""
 
     def synced(self) -> None: ...
 
@@ -79,6 +83,9 @@ class _NoMarks:
         pass
 
     def gpu_done(self) -> None:
+        pass
+
+    def planned(self, staged: int, picked: int) -> None:
         pass
 
     def synced(self) -> None:
@@ -99,6 +106,10 @@ class _AllMarks:
     def gpu_done(self) -> None:
         for m in self.marks:
             m.gpu_done()
+
+    def planned(self, staged: int, picked: int) -> None:
+        for m in self.marks:
+            m.planned(staged, picked)
 
     def synced(self) -> None:
         for m in self.marks:

@@ -39,6 +39,7 @@ import torch
 from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, fill_dummy_experts
 from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
+from vllm_kt_plugin.hybrid.timeline import ON_DEMAND, PREFETCH, Timeline
 from vllm_kt_plugin.hybrid.vllm_compat import (
     block_fp8_method,
     can_rebuild_moe_kernel,
@@ -358,6 +359,7 @@ class StagingBuffers:
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.uses = 0  # layers computed through the buffers, for tests and the log
         self.last = 1
+        self.timeline: Timeline | None = None  # told of every copy (the bench's per-forward timeline)
 
     def reserve(self, host: HostExperts) -> None:
         """Grow the planned buffers to hold ``host`` (before the first use). Flat, so
@@ -395,9 +397,10 @@ class StagingBuffers:
         host.write(views, rows)
         return views
 
-    def _copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None) -> None:
+    def _copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None, kind: str = ON_DEMAND) -> None:
         """Copy ``host``'s experts of ``rows`` (all by default) into buffer ``index``,
-        each into its own row; rows it already holds for ``host`` are not copied again."""
+        each into its own row; rows it already holds for ``host`` are not copied again
+        (``kind``: a prefetch or a copy on demand, for the timeline)."""
         if not self.slots:
             self._allocate()
         if self.owner[index] is not host:
@@ -420,13 +423,20 @@ class StagingBuffers:
         self.rows[index].update(missing)
         self.rows_copied += len(missing)
         self.fresh[index] += len(missing)
+        timeline = self.timeline if self.timeline is not None and self.timeline.enabled else None
         if not self.cuda:
+            copy = timeline.copy_started(host, len(missing), kind, None) if timeline else None
             _copy_runs(views, source, runs, non_blocking=False)
+            if timeline:
+                timeline.copy_done(copy, None)
             return
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.free[index])  # the layer computing from it is done
+            copy = timeline.copy_started(host, len(missing), kind, self.stream) if timeline else None
             _copy_runs(views, source, runs, non_blocking=True)
+            if timeline:
+                timeline.copy_done(copy, self.stream)
             self.ready[index].record(self.stream)
 
     def _slot_of(self, host: HostExperts) -> int | None:
@@ -477,7 +487,7 @@ class StagingBuffers:
         thread meanwhile)."""
         index = self._slot_of(host)
         if index is None or index == 1 - busy:
-            self._copy_in(1 - busy, host, rows)
+            self._copy_in(1 - busy, host, rows, PREFETCH)
 
     def release(self, index: int) -> None:
         if self.cuda:

@@ -42,7 +42,7 @@ from vllm_kt_plugin.settings.catalogue import (
     UNQUANTIZED,
 )
 from vllm_kt_plugin.settings.errors import KTConfigError
-from vllm_kt_plugin.settings.staging import staging_refusal
+from vllm_kt_plugin.settings.staging import fp8_copy_refusal, staging_refusal
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -156,6 +156,32 @@ def check_fp8_copy(parts: LayerParts, refusal: str | None) -> None:
         raise KTConfigError("KT_GPU_PREFILL_FP8_COPY", "1", why, "0 for this checkpoint")
 
 
+def fp8_copy_for(parts: LayerParts) -> bool:
+    """KT_GPU_PREFILL_FP8_COPY for this layer: 1 checked (``check_fp8_copy``: gpu_prefill_min_tokens
+    did), 0 off, auto by ``settings.staging.fp8_copy_refusal`` on the kernel and device vLLM
+    chose (said once, either way)."""
+    settings = parts.context.settings
+    if settings.gpu_prefill_fp8_copy is not None:
+        return settings.gpu_prefill_fp8_copy
+    device = parts.moe.device
+    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    why = fp8_copy_refusal(
+        settings.method or "",
+        quantized=not native_is_stageable(parts.gpu.native),
+        tensor_parallel_size=parts.moe.tp_size,
+        capability=capability,  # type: ignore[arg-type]
+    )
+    if why is None:
+        logger.info_once(
+            "kt-hybrid: GPU prefill's host copy is block FP8 (KT_GPU_PREFILL_FP8_COPY=auto: %s CPU experts on a GPU "
+            "with FP8; 0 keeps the checkpoint's format)",
+            settings.method,
+        )
+    elif capability is not None:
+        logger.info_once("kt-hybrid: GPU prefill's host copy keeps the checkpoint's format (FP8 copy auto: %s)", why)
+    return why is None
+
+
 class GPUPrefillPath(ForwardPath):
     """Every routed expert on the GPU: the GPU experts as always, the CPU experts from the
     staging buffer, while the next layer's CPU experts are copied into the other."""
@@ -178,7 +204,7 @@ class GPUPrefillPath(ForwardPath):
         parts = self.parts
         cuda = parts.moe.device.type == "cuda"
         native = parts.gpu.native
-        fp8_copy = parts.context.settings.gpu_prefill_fp8_copy
+        fp8_copy = fp8_copy_for(parts)
         self.host = HostExperts(
             layer,
             parts.make_shadow_native,
@@ -260,6 +286,8 @@ class GPUPrefillPath(ForwardPath):
         index, staged = staging.acquire(host)
         cpu_out = host.apply(staged, x, weights, ids)
         staging.release(index)
+        marks.planned(host.num_experts, host.num_experts)
+        marks.gpu_done()
         # After this layer's work is queued: a written next layer blocks this thread.
         if self._next_host is None:
             self._next_host = self.parts.context.runtime.host_after(self.parts.layer_idx)
@@ -269,6 +297,7 @@ class GPUPrefillPath(ForwardPath):
             "kt-hybrid: GPU prefill ran: a forward of >= %d tokens computed the CPU experts on the GPU",
             self.min_tokens,
         )
+        marks.synced()
         return cpu_out if out is None else out + cpu_out
 
     def gpu_experts(self, forward: Forward) -> torch.Tensor | None:

@@ -89,6 +89,9 @@ class _DeviceProbe:
     def gpu_done(self) -> None:
         self.clock.after_gpu_experts(self.layer_idx, self.tokens)
 
+    def planned(self, staged: int, picked: int) -> None:
+        pass  # the CPU-experts path only: nothing staged
+
     def synced(self) -> None:
         self.clock.after_sync(self.layer_idx, self.tokens)
 
@@ -105,6 +108,9 @@ class _HostProbe:
 
     def gpu_done(self) -> None:
         self.marks.append(time.perf_counter())
+
+    def planned(self, staged: int, picked: int) -> None:
+        pass  # the CPU-experts path only: nothing staged
 
     def synced(self) -> None:
         t0, t1, t2 = self.marks

@@ -34,7 +34,7 @@ from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
-from vllm_kt_plugin.hybrid.observers import RecordsRouting, TimesLayer
+from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     fused_shared_experts,
@@ -235,6 +235,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         metrics = context.runtime.metrics(settings.metrics_interval_s)
         if metrics is not None and self.cpu is not None:
             self.observers.append(TimesLayer(metrics, self.layer_idx))
+        if self.cpu is not None:
+            self.observers.append(RecordsTimeline(context.runtime.timeline, self.layer_idx))
         self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
         self._create_args: dict[str, Any] = {}
         context.runtime.add_layer(self)

@@ -1,5 +1,6 @@
 """Observers of a layer's forwards (``forward.ForwardObserver``): the routing recorder of
-``vllm-kt profile`` and the per-layer metrics (KT_METRICS_INTERVAL). Dynamic GPU experts
+``vllm-kt profile``, the per-layer metrics (KT_METRICS_INTERVAL) and the bench's
+per-forward timeline. Dynamic GPU experts
 (``dynamic_experts.DynamicExperts``) observe too. A layer subscribes each where it
 applies, once, when it is built or loaded; the forward itself has no branch for any.
 """
@@ -14,6 +15,7 @@ from vllm_kt_plugin.hybrid.metrics import CPU_PATH
 if TYPE_CHECKING:
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
     from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
+    from vllm_kt_plugin.hybrid.timeline import Timeline
     from vllm_kt_plugin.planning.placement import ExpertPlacement
 
 
@@ -44,3 +46,18 @@ class TimesLayer(ForwardObserver):
             return NO_MARKS
         probe = self.metrics.probe(self.layer_idx, forward.x)
         return probe if probe is not None else NO_MARKS
+
+
+class RecordsTimeline(ForwardObserver):
+    """Hands the layer's large forwards to the process's timeline while it is enabled (one
+    attribute read per forward while it is not)."""
+
+    def __init__(self, timeline: Timeline, layer_idx: int) -> None:
+        self.timeline, self.layer_idx = timeline, layer_idx
+        timeline.add_layer(layer_idx)
+
+    def path_taken(self, forward: Forward, path: str) -> StageMarks:
+        timeline = self.timeline
+        if not timeline.enabled or forward.capturing or forward.tokens < timeline.min_tokens:
+            return NO_MARKS
+        return timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)

@@ -4,7 +4,8 @@
 asks whether the next layer adds deferred experts; GPU prefill prefetches the next
 layer's CPU experts, the split the next split layer's predicted part), GPU prefill's
 staging buffers, the split's probed costs, the metrics collector, the routing recorder
-behind ``vllm-kt profile`` and the log of dynamic expert swaps. vLLM builds one
+behind ``vllm-kt profile``, the bench's per-forward timeline and the log of dynamic
+expert swaps. vLLM builds one
 model per worker process, so one object per process is one per model; ``runtime()``
 returns it.
 
@@ -25,6 +26,7 @@ from vllm_kt_plugin.hybrid.dynamic_experts import SwapLog
 from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
+from vllm_kt_plugin.hybrid.timeline import Timeline
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -46,6 +48,7 @@ class HybridRuntime:
         self.split_paths: list[tuple[int, SplitPath]] = []  # by decoder layer index
         self.split_probe: ProbedCosts | None = None  # the split's cost model, probed once per process
         self.recorder = RoutingRecorder()
+        self.timeline = Timeline()  # the bench's per-forward timeline, off unless it asks
         self.swap_log = SwapLog()
         self._staging: dict[torch.device, StagingBuffers] = {}
         self._metrics: HybridMetrics | None = None
@@ -60,6 +63,7 @@ class HybridRuntime:
 
     def add_host(self, layer_idx: int, host: HostExperts) -> None:
         bisect.insort(self.hosts, (layer_idx, host), key=lambda entry: entry[0])
+        self.timeline.name_host(host, layer_idx)
 
     def host_after(self, layer_idx: int) -> HostExperts:
         """The host copy of the next layer that has one (wrapping to the first): GPU
@@ -84,6 +88,7 @@ class HybridRuntime:
         """The two GPU-prefill buffers of ``device``, shared by its layers."""
         if device not in self._staging:
             self._staging[device] = StagingBuffers(device)
+            self._staging[device].timeline = self.timeline
         return self._staging[device]
 
     def metrics(self, interval_s: float) -> HybridMetrics | None:

@@ -30,7 +30,7 @@ every picked expert is the whole-layer stream (copying only what this forward pi
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -200,20 +200,70 @@ def balanced_count(costs: SplitCosts, counts: Sequence[int]) -> int:
     return len(plan(costs, counts).staged)
 
 
-def smallest_worth_staging(costs: SplitCosts, num_cpu_experts: int, num_experts: int, top_k: int, limit: int) -> int:
-    """The smallest forward (tokens, up to ``limit``) in which ``plan`` stages anything
-    when its picks spread evenly over the experts; ``limit + 1`` if none. Smaller forwards
-    skip the split's routing read-back: nothing would be staged in them unless a few
-    experts took most of their tokens."""
+# The split's measured layer time over the model's prediction for its own plan is up to this
+# (H100 curve of 2026-12-06, benchmarks/results/h100_split_curve_qwen3_30b_a3b.json: 1.02-1.22
+# with the BF16 copy, 0.94-1.49 with the FP8 one, for the staged counts that ran; docs/split.md
+# says what the model leaves out). A forward's path is chosen with the split's prediction
+# scaled by it: the pure paths' predictions held better (on that curve, from the probed
+# constants: the CPU path 0.94-1.20x the measured time, the whole-layer stream 1.04-1.09x
+# from 512 tokens on). Replayed on that curve, the choice is then the measured fastest path,
+# or within 5 % of it, at every size from 1,024 tokens (tests/unit/test_split_cost.py).
+SPLIT_OVER_MODEL = 1.49
+CPU, SPLIT, WHOLE = "CPU path", "split", "whole layer"  # a forward's path, by the choice below
 
-    def stages(tokens: int) -> bool:
-        mean = tokens * top_k / num_experts
-        return bool(plan(costs, [mean] * num_cpu_experts).staged)
 
-    if num_cpu_experts == 0 or not stages(limit):
-        return limit + 1
-    low, high = 0, limit  # stages(high), not stages(low)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if stages(mid) else (mid, high)
-    return high
+def evenly_picked(tokens: int, num_cpu_experts: int, num_experts: int, top_k: int) -> list[float]:
+    """Each CPU expert's tokens when a forward's picks spread evenly over the experts."""
+    return [tokens * top_k / num_experts] * num_cpu_experts
+
+
+def whole_layer_time(costs: SplitCosts, counts: Sequence[float]) -> float:
+    """Every CPU expert staged with no routing read-back (the whole-layer stream): its copy ran
+    while the layer before computed, so the layer takes the longer of the copy and the GPU's
+    work; a layer without a host copy is written and copied on demand, one after the other."""
+    m, picks = len(counts), sum(counts)
+    gpu = gpu_time(costs, m, picks)
+    if costs.write_s_per_expert:
+        return m * (costs.write_s_per_expert + costs.copy_s_per_expert) + gpu
+    return max(m * costs.copy_s_per_expert, gpu)
+
+
+def forward_path(costs: SplitCosts, counts: Sequence[float]) -> str:
+    """CPU, SPLIT or WHOLE for a forward with these counts: the least predicted layer time,
+    the split's scaled by SPLIT_OVER_MODEL; the split as it runs layer after layer, with the
+    balanced part prefetched (ties: the CPU path, then the whole layer)."""
+    balanced = balanced_count(costs, counts)
+    split = plan(costs, counts, set(range(balanced)), balanced)
+    options = {
+        CPU: cpu_time(costs, sum(1 for c in counts if c > 0), sum(counts)),
+        WHOLE: whole_layer_time(costs, counts),
+    }
+    if split.staged:
+        options[SPLIT] = split.predicted_s * SPLIT_OVER_MODEL
+    return min(options, key=lambda path: options[path])
+
+
+def path_thresholds(
+    costs: SplitCosts, num_cpu_experts: int, num_experts: int, top_k: int, limit: int
+) -> tuple[int, int]:
+    """(split_from, whole_from): the smallest forwards (tokens, up to ``limit``) that take the
+    split and the whole-layer stream by ``forward_path`` when their picks spread evenly;
+    ``limit + 1`` for a path never taken. Smaller forwards keep the CPU path, and skip the
+    split's routing read-back. The paths follow one another as forwards grow (the CPU's work
+    grows with them, the copy does not), so each threshold is found by bisection."""
+
+    def path(tokens: int) -> str:
+        return forward_path(costs, evenly_picked(tokens, num_cpu_experts, num_experts, top_k))
+
+    def first(taken: Callable[[int], bool]) -> int:
+        if num_cpu_experts == 0 or not taken(limit):
+            return limit + 1
+        low, high = 0, limit  # taken(high), not taken(low)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if taken(mid) else (mid, high)
+        return high
+
+    whole_from = first(lambda n: path(n) == WHOLE)
+    split_from = min(first(lambda n: path(n) != CPU), whole_from)
+    return split_from, whole_from

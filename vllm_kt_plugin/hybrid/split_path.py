@@ -57,9 +57,9 @@ from vllm_kt_plugin.hybrid.split_cost import (
     SplitPlan,
     balanced_count,
     fit_costs,
+    path_thresholds,
     plan,
     share_plan,
-    smallest_worth_staging,
 )
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
@@ -72,6 +72,15 @@ if TYPE_CHECKING:
 logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
 
 SPLIT_RAN = "kt-hybrid: split ran"  # the log line's start, for tests
+WHOLE_RAN = "kt-hybrid: whole-layer stream ran"
+NEVER = 1 << 62  # a token count no forward reaches
+
+
+def _span(start: int, end: int, limit: int) -> str:
+    """Forwards from ``start`` to below ``end`` tokens, in words, for the log."""
+    if start > limit or start >= end:
+        return "none"
+    return f">= {start} tokens" if end > limit else f"{start}-{end - 1} tokens"
 
 
 @dataclass
@@ -114,6 +123,7 @@ class SplitPath(GPUPrefillPath):
         self.defers = settings.max_deferred_experts_per_token > 0
         self.costs: SplitCosts | None = None
         self.plan_min_tokens = 0  # with the cost model: smaller forwards are not read back
+        self.whole_min_tokens = NEVER  # with the cost model: larger ones stage the whole layer
         self.cpu_expert_ids = torch.tensor(parts.placement.cpu_expert_ids(), dtype=torch.long)
         self._cpu_ids_dev: torch.Tensor | None = None
         self.last_counts: list[int] | None = None
@@ -122,6 +132,7 @@ class SplitPath(GPUPrefillPath):
         self.staged_experts = 0
         self.picked_experts = 0
         self.splits = 0  # forwards with 0 < staged < picked
+        self.whole_forwards = 0  # forwards that staged the whole layer, no routing read-back
 
     @property
     def by_expert(self) -> bool:
@@ -194,27 +205,34 @@ class SplitPath(GPUPrefillPath):
         assert host is not None and staging is not None
         x, topk_weights, topk_ids = forward.x, forward.topk_weights, forward.topk_ids
         if self.share is None and self.costs is None:
-            self.costs = self._probed_costs(x.dtype)
-            spec = self.cpu.spec
-            self.plan_min_tokens = smallest_worth_staging(
-                self.costs, host.num_experts, spec.num_experts, spec.top_k, spec.chunked_prefill_size
-            )
-            logger.info("kt-hybrid: the split stages experts in forwards from about %d tokens on", self.plan_min_tokens)
+            self._choose_paths(x.dtype)
+        tokens = x.shape[0]
+        whole = tokens >= self.whole_min_tokens  # every CPU expert staged, no routing read-back
         counts: list[int] = []
         chosen = None
-        if x.shape[0] >= self.plan_min_tokens:
+        if whole:
+            self.whole_forwards += 1
+            self._log_whole(tokens)
+        elif tokens >= self.plan_min_tokens:
             counts = self.counts(topk_ids)
             chosen = self.plan(counts, staging.resident(host), staging.take_prefetched(host))
-            self._count(chosen, x.shape[0])
-        staged = sorted(chosen.staged) if chosen is not None else []
+            self._count(chosen, tokens)
+        if whole:
+            staged, picked = list(range(host.num_experts)), host.num_experts
+        else:
+            staged = sorted(chosen.staged) if chosen is not None else []
+            picked = chosen.picked if chosen is not None else 0
+        marks.planned(len(staged), picked)
         # With deferral (KT_MAX_DEFERRED_EXPERTS_PER_TOKEN) the previous layer's deferred
         # experts are added by this layer's sync: the CPU backend runs even with nothing left.
-        on_cpu = chosen is None or chosen.picked > len(staged) or self.defers
+        on_cpu = (not whole and (chosen is None or chosen.picked > len(staged))) or self.defers
 
         x_cpu = x[..., : self.hidden_size] if x.shape[-1] != self.hidden_size else x
         slot_of = None
         index = None
-        if staged:
+        if whole:  # the device's own mask: no copy from the host, which would wait for the device
+            cpu_ids = topk_ids.masked_fill(host.cpu_slot_of[topk_ids.long()] >= 0, -1) if on_cpu else topk_ids
+        elif staged:
             mask = torch.zeros(host.cpu_slot_of.numel(), dtype=torch.bool)
             mask[self.cpu_expert_ids[staged]] = True
             mask = mask.to(topk_ids.device)
@@ -234,6 +252,7 @@ class SplitPath(GPUPrefillPath):
             index = staging.start(host, self._rows(staged))
         if on_cpu:
             self.cpu.submit(x_cpu, cpu_ids, topk_weights)
+            marks.submitted()
         if staged and not copies_first:
             index = staging.start(host, self._rows(staged))
         out = self.gpu_experts(forward)
@@ -242,35 +261,76 @@ class SplitPath(GPUPrefillPath):
             staged_out = host.apply(views, x, topk_weights, topk_ids, slot_of)
             staging.release(index)
             out = staged_out if out is None else out + staged_out
-        if chosen is not None:
-            self._prefetch_next(counts, chosen, index)
+        marks.gpu_done()
+        if whole:
+            self._prefetch_next(host.num_experts, index)
+        elif chosen is not None:
+            size = len(chosen.staged) if self.share is not None else balanced_count(self._costs(), counts)
+            self._prefetch_next(size, index)
             self.last_counts = counts
         if on_cpu:
             cpu_out = self.cpu.sync(x_cpu).to(x.dtype)
             if cpu_out.shape[-1] != x.shape[-1]:
                 cpu_out = F.pad(cpu_out, (0, x.shape[-1] - cpu_out.shape[-1]))
             out = cpu_out.clone() if out is None else out + cpu_out
+        marks.synced()
         return out if out is not None else torch.zeros_like(x)
+
+    def _choose_paths(self, dtype: torch.dtype) -> None:
+        """On the first forward that takes the path: probe the costs, and from them the
+        sizes from which forwards take the split and the whole-layer stream (logged)."""
+        assert self.host is not None
+        self.costs = self._probed_costs(dtype)
+        spec = self.cpu.spec
+        self.plan_min_tokens, whole_from = path_thresholds(
+            self.costs, self.host.num_experts, spec.num_experts, spec.top_k, spec.chunked_prefill_size
+        )
+        # A layer kt-kernel writes out is written on the threads of the CPU's part; a whole
+        # layer of it staged on demand is the split's all-staged case, planned per forward.
+        self.whole_min_tokens = whole_from if self.host.copies else NEVER
+        if self.parts.context.runtime.first_split_path() is not self:
+            return
+        logger.info(
+            "kt-hybrid: by the probed costs, forwards of %s take the CPU path, %s the split, %s the whole-layer "
+            "stream (%s)",
+            f"< {self.plan_min_tokens} tokens",
+            _span(self.plan_min_tokens, self.whole_min_tokens, spec.chunked_prefill_size),
+            _span(self.whole_min_tokens, NEVER, spec.chunked_prefill_size),
+            self.layer_name,
+        )
+
+    def _costs(self) -> SplitCosts:
+        assert self.costs is not None, "probed on the first forward"
+        return self.costs
+
+    def _log_whole(self, tokens: int) -> None:
+        if self.whole_forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+            logger.info(
+                "%s: %s staged all %d of its CPU experts in a forward of %d tokens, the next layer's prefetched",
+                WHOLE_RAN,
+                self.layer_name,
+                self.host.num_experts if self.host is not None else 0,
+                tokens,
+            )
 
     def _rows(self, staged: list[int]) -> list[int] | None:
         """The staged rows to copy (None: the whole layer, one copy per tensor)."""
         assert self.host is not None
         return staged if self.by_expert and len(staged) < self.host.num_experts else None
 
-    def _prefetch_next(self, counts: list[int], chosen: SplitPlan, index: int | None) -> None:
-        """The next layer's predicted part into the other buffer, while this one computes."""
+    def _prefetch_next(self, size: int, index: int | None) -> None:
+        """The next layer's predicted part (``size`` experts; all: the whole layer) into the
+        other buffer, while this one computes."""
         following = self._next()
         if following is None or following.host is None or not following.host.copies:
             # A layer without a host copy is written by kt-kernel's threads, which are busy
             # with this layer's CPU experts: prefetching it would hold this thread until
             # they are done. Its part is written on demand.
             return
-        if self.share is not None:
-            size = len(chosen.staged)
+        if size >= following.host.num_experts:
+            rows: list[int] | None = None
         else:
-            assert self.costs is not None
-            size = balanced_count(self.costs, counts)
-        rows = following.predict(size) if following.by_expert else (None if size else [])
+            rows = following.predict(size) if following.by_expert else (None if size else [])
         if rows == []:  # nothing predicted (None: the whole layer)
             return
         assert self.staging is not None

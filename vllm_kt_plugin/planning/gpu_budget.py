@@ -156,6 +156,15 @@ def measured_device_total_bytes() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def measured_device_capability() -> tuple[int, int] | None:
+    """This process's current CUDA device's compute capability; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))  # type: ignore[return-value]
+
+
 def _gb(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 

@@ -15,6 +15,7 @@ from typing import Any
 from vllm_kt_plugin.planning.gpu_budget import (
     auto_gpu_prefill_refusal,
     fixed_num_gpu_experts,
+    measured_device_capability,
     measured_device_total_bytes,
     resolve_num_gpu_experts,
 )
@@ -23,6 +24,7 @@ from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.routing_profile import RoutingProfile, load_routing_profile
+from vllm_kt_plugin.settings.staging import fp8_copy_on
 from vllm_kt_plugin.settings.variables import KTSettings
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -128,7 +130,13 @@ class LayerPlan:
             ram_available_bytes=_ram_available_bytes(),
             kt_method=self.settings.method or "",
             tensor_parallel_size=tp,
-            fp8_copy=self.settings.gpu_prefill_fp8_copy,
+            fp8_copy=fp8_copy_on(
+                self.settings.gpu_prefill_fp8_copy,
+                self.settings.method or "",
+                quantized=memory.quantized,
+                tensor_parallel_size=tp,
+                capability=measured_device_capability(),
+            ),
         )
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.settings.expert_placement)
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)

@@ -165,6 +165,15 @@ def flag(raw: str) -> bool:
     return raw == "1"
 
 
+def auto_flag(raw: str) -> Any:
+    """``auto`` (AUTO), 0 or 1."""
+    if raw.lower() == "auto":
+        return AUTO
+    if raw not in ("0", "1"):
+        raise ValueError("must be auto, 0 or 1")
+    return raw == "1"
+
+
 def text(raw: str) -> str:
     return raw
 
@@ -395,12 +404,13 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_GPU_PREFILL_FP8_COPY",
-        "0 (off) until measured on the H200 (docs/split.md)",
-        "0 or 1; 1 needs GPU prefill on and a BF16/FP16 checkpoint on one tensor-parallel rank",
+        "auto: on with AMXINT4 CPU experts of a BF16/FP16 checkpoint on a GPU with FP8 (compute capability "
+        ">= 8.9), one tensor-parallel rank (its drift is within AMXINT4's own); else off (docs/split.md)",
+        "auto, 0 or 1; 1 needs GPU prefill on and a BF16/FP16 checkpoint on one tensor-parallel rank",
         "1: GPU prefill keeps the CPU experts' host copy in block FP8 (128 x 128 blocks, float32 scales) instead of "
         "the checkpoint's BF16: half the RAM and half the bytes over PCIe; the GPU computes those experts in FP8",
-        flag,
-        False,
+        auto_flag,
+        AUTO,
         "gpu_prefill_fp8_copy",
     ),
     Variable(

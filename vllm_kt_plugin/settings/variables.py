@@ -149,7 +149,7 @@ class KTSettings:
     metrics_interval_s: float = _unset("KT_METRICS_INTERVAL")
     gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
     gpu_prefill_split: float | None = _unset("KT_GPU_PREFILL_SPLIT")  # None: auto; a share: forced split
-    gpu_prefill_fp8_copy: bool = _unset("KT_GPU_PREFILL_FP8_COPY")  # GPU prefill's host copy in block FP8
+    gpu_prefill_fp8_copy: bool | None = None  # GPU prefill's host copy in block FP8; None: auto
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -190,6 +190,8 @@ class KTSettings:
             )
         if values["gpu_prefill_split"] is AUTO:
             values["gpu_prefill_split"] = None  # the cost model under auto, the whole layer under a number
+        if values["gpu_prefill_fp8_copy"] is AUTO:
+            values["gpu_prefill_fp8_copy"] = None  # per layer: its method, checkpoint and GPU (settings.staging)
         if values["gpu_prefill_fp8_copy"] and prefill == 0:
             raise KTConfigError(
                 "KT_GPU_PREFILL_FP8_COPY",

@@ -21,12 +21,10 @@ from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec
 from vllm_kt_tools.bench.peers import engine_kwargs
 from vllm_kt_tools.bench.report import large_forwards, layer_metrics
 from vllm_kt_tools.bench.shapes import model_sizes
+from vllm_kt_tools.bench.timeline import MIN_TOKENS, EngineTimeline, NoTimeline, describe, timeline_record
 from vllm_kt_tools.support.child import run_child
 from vllm_kt_tools.support.engine_lock import engine_lock, stop_engine
 
-# Each decode figure is the median of this many measurements (AMXINT4 at batch 1 has
-# varied by a third between sittings).
-DECODE_REPEATS = 3
 TTFT_SEEDS = (7, 8, 9)  # one 1,024-token prompt alone, three times: its time to first token
 
 
@@ -63,6 +61,8 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         extra["quantization"] = "kt-hybrid"
     if spec.cpu_offload_gb:
         extra["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = spec.max_num_batched_tokens
     with engine_lock():  # other engines of this GPU start and stop in turn (VLLM_KT_ENGINE_LOCK)
         started = time.perf_counter()  # not counting the wait for the lock
         llm = LLM(
@@ -100,17 +100,25 @@ def run_engine(**fields: Any) -> dict[str, Any]:
             long, _ = timed(prompts, 2 * spec.decode_tokens)
             return decode_rate(batch, spec.decode_tokens, short, long)
 
-        return (*decode_repeats(pair), tokens)
+        return (*decode_repeats(pair, spec.decode_repeats), tokens)
 
     rates_bs1, discarded_bs1, tokens_bs1 = decode_rates(1, seed=1)
     rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
-    timed(_prompts(8, prefill_len, vocab, seed=3), 1)  # warm-up
-    prefill_s, _ = timed(_prompts(8, prefill_len, vocab, seed=4), 1)
-    # time to first token of one 1,024-token prompt alone (issue 28): median of three prompts
-    ttft_s = statistics.median(timed(_prompts(1, prefill_len, vocab, seed=s), 1)[0] for s in TTFT_SEEDS)
     long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
-    timed(_prompts(1, long_len, vocab, seed=5), 1)  # warm-up
-    long_s, _ = timed(_prompts(1, long_len, vocab, seed=6), 1)
+    # each prefill's forwards, layer by layer, under its measurement's name (kt-hybrid only)
+    timeline = EngineTimeline(llm, min(MIN_TOKENS, prefill_len)) if spec.system == "kt-hybrid" else NoTimeline()
+
+    def prefill(label: str, count: int, length: int, seed: int) -> float:
+        timeline.mark(label)
+        return timed(_prompts(count, length, vocab, seed=seed), 1)[0]
+
+    prefill(f"8 x {prefill_len} warm-up", 8, prefill_len, 3)
+    prefill_s = prefill(f"8 x {prefill_len}", 8, prefill_len, 4)
+    # time to first token of one 1,024-token prompt alone (issue 28): median of three prompts
+    ttft_s = statistics.median(prefill(f"one {prefill_len} alone, seed {s}", 1, prefill_len, s) for s in TTFT_SEEDS)
+    prefill(f"one {long_len} warm-up", 1, long_len, 5)
+    long_s = prefill(f"one {long_len}", 1, long_len, 6)
+    steps = timeline.collect()
     sizes = model_sizes(json.loads((Path(spec.model) / "config.json").read_text()))
     routed = routing.engine_routing(llm, sizes.num_experts, sizes.top_k, since=routed_at_start)
     stop_engine(llm)
@@ -126,16 +134,18 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "tokens_bs1": tokens_bs1[0],
         "sampling": {"temperature": spec.temperature, "engine_seed": 0},
         "routing": routed,
+        **({"timeline": timeline_record(steps)} if steps else {}),
     }
 
 
-def decode_repeats(pair: Callable[[], float | None]) -> tuple[list[float], int]:
-    """Up to DECODE_REPEATS rates from ``pair`` (one short and one long run; None where it
+def decode_repeats(pair: Callable[[], float | None], repeats: int) -> tuple[list[float], int]:
+    """Up to ``repeats`` rates from ``pair`` (one short and one long run; None where it
     was discarded: see ``decode_rate``), fewer where as many pairs were discarded, and the
-    pairs discarded."""
+    pairs discarded. Each decode figure is their median (AMXINT4 at batch 1 has varied by
+    a third between sittings); the spread beside it says how far they agreed."""
     rates: list[float] = []
     discarded = 0
-    while len(rates) < DECODE_REPEATS and discarded < DECODE_REPEATS:
+    while len(rates) < repeats and discarded < repeats:
         rate = pair()
         if rate is None:
             discarded += 1
@@ -196,6 +206,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
         result["engine_args"] = spec.engine_args
     if spec.env:
         result["env"] = spec.env
+    if spec.max_num_batched_tokens:
+        result["max_num_batched_tokens"] = spec.max_num_batched_tokens
     metrics = layer_metrics(log_text)  # with KT_METRICS_INTERVAL set (e.g. --kt-env)
     if metrics:
         result["layer_metrics"] = metrics
@@ -205,6 +217,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     if "decode_bs1_tok_s" not in result:
         result["error"] = f"exit {run.returncode}: " + " | ".join(log_text.strip().splitlines()[-5:])[-1500:]
     print(f"[bench] {spec.name}: done in {time.perf_counter() - started:.0f} s: {_summary(result)}", flush=True)
+    for step in result.get("timeline", {}).get("summary", []):
+        print(f"[bench] {spec.name}: {describe(step)}", flush=True)
     return result
 
 

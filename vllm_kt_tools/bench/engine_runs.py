@@ -32,6 +32,8 @@ class RunSpec:
     env: dict[str, str] = field(default_factory=dict)
     enforce_eager: bool = False
     decode_tokens: int = 64
+    decode_repeats: int = 5  # pairs of decode runs per batch size: the figure is their median
+    max_num_batched_tokens: int | None = None  # vLLM's (None: its default for the entry point and GPU)
     max_model_len: int = LONG_PROMPT_TOKENS + 64
     gpu_memory_utilization: float = 0.9
     variant: str = ""  # tells apart runs of one system and method (e.g. "prefill-off")
@@ -92,6 +94,8 @@ def plan_runs(
         "model": model,
         "load_format": load_format,
         "decode_tokens": args.decode_tokens,
+        "decode_repeats": args.decode_repeats,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
     plain, own_method = CHECKPOINTS[args.checkpoint]

@@ -51,6 +51,8 @@ def serve_args(spec: RunSpec, max_model_len: int) -> list[str]:
         args.append("--enforce-eager")
     if spec.cpu_offload_gb:
         args += ["--cpu-offload-gb", str(spec.cpu_offload_gb)]
+    if spec.max_num_batched_tokens:
+        args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     args += engine_cli_flags(spec.engine_args)
     if spec.system == "kt-hybrid":
         args += ["--quantization", "kt-hybrid"]
@@ -120,7 +122,7 @@ def served_run_record(spec: RunSpec) -> dict[str, Any]:
     """What a run behind a server records of its configuration: system, method, and the
     variant, environment, offload and engine arguments where set."""
     result: dict[str, Any] = {"system": spec.system, "method": spec.method}
-    for key in ("variant", "env", "cpu_offload_gb", "engine_args"):
+    for key in ("variant", "env", "cpu_offload_gb", "engine_args", "max_num_batched_tokens"):
         if getattr(spec, key):
             result[key] = getattr(spec, key)
     return result
@@ -154,21 +156,30 @@ def sglang_load_run(config: SglangKt, load: Load) -> dict[str, Any]:
 
 def measure_load(server: VLLMServer, name: str, model: str, result: dict[str, Any], load: Load) -> dict[str, Any]:
     """``vllm bench serve`` against ``server`` once it answers; its summary into ``result``."""
-    result.update(prompts=load.prompts, concurrency=load.concurrency)
-    out = load.log_dir / f"{name}.json"
-    client_log = load.log_dir / f"{name}-client.log"
     print(f"[bench] {name}: its server, then {load.prompts} requests at concurrency {load.concurrency}", flush=True)
-    started = time.perf_counter()
     try:
         with server:
-            command = bench_serve_command(
-                server.base_url, model, load.prompts, load.concurrency, load.input_len, load.output_len, out
-            )
-            with open(client_log, "w") as log:
-                code = subprocess.run(
-                    command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=load.timeout_s
-                ).returncode
-    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+            result.update(bench_serve(server.base_url, name, model, load))
+    except (RuntimeError, TimeoutError) as exc:
+        result.update(prompts=load.prompts, concurrency=load.concurrency, error=str(exc)[-1500:])
+    return result
+
+
+def bench_serve(base_url: str, name: str, model: str, load: Load) -> dict[str, Any]:
+    """``vllm bench serve`` against a server that answers at ``base_url``: the summary of its
+    result (an ``error`` where the client failed). A ``--server-engine`` sitting sends the
+    load to the server it measured (one start per system, not two)."""
+    result: dict[str, Any] = {"prompts": load.prompts, "concurrency": load.concurrency}
+    out = load.log_dir / f"{name}.json"
+    client_log = load.log_dir / f"{name}-client.log"
+    started = time.perf_counter()
+    command = bench_serve_command(base_url, model, load.prompts, load.concurrency, load.input_len, load.output_len, out)
+    try:
+        with open(client_log, "w") as log:
+            code = subprocess.run(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=load.timeout_s
+            ).returncode
+    except subprocess.TimeoutExpired as exc:
         result["error"] = str(exc)[-1500:]
         return result
     if code != 0 or not out.exists():

@@ -184,17 +184,17 @@ def child_env() -> dict[str, str]:
     return {PRELOAD_VARIABLE: PRELOAD, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
-SERVER_RPC = "kt_bench_routing"  # the worker method bench/server_routing.py adds
+SERVER_RPC = "kt_bench_routing"  # the worker method bench/server_worker.py adds
 
 
 def server_recording() -> tuple[dict[str, str], list[str]]:
     """The environment and ``vllm serve`` flags of a server whose routing is recorded:
-    vLLM's worker imports ``bench/server_routing.py`` (its ``--worker-extension-cls``) before
+    vLLM's worker imports ``bench/server_worker.py`` (its ``--worker-extension-cls``) before
     it builds the model, which installs the recorder there, and the counts come back through
     vLLM's dev-mode ``/collective_rpc``. Nothing is installed in servers the bench did not start."""
     return {"VLLM_SERVER_DEV_MODE": "1"}, [
         "--worker-extension-cls",
-        "vllm_kt_tools.bench.server_routing.RoutingExtension",
+        "vllm_kt_tools.bench.server_worker.BenchWorkerExtension",
     ]
 
 

@@ -27,10 +27,15 @@ from typing import TYPE_CHECKING, Any
 from vllm_kt_tools.bench import routing
 from vllm_kt_tools.bench.engine_child import TTFT_SEEDS, decode_rate, decode_repeats, decode_summary, random_prompts
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
+from vllm_kt_tools.bench.load_runs import Load, bench_serve
 from vllm_kt_tools.bench.routing import TEMPERATURE
+from vllm_kt_tools.bench.timeline import MIN_TOKENS, NoTimeline, ServerTimeline, describe, timeline_record
 
 if TYPE_CHECKING:
+    from vllm_kt_tools.bench.timeline import EngineTimeline
     from vllm_kt_tools.support.server import VLLMServer
+
+    Timeline = EngineTimeline | ServerTimeline | NoTimeline
 
 SERVED_NAME = "bench"  # both servers are started with --served-model-name bench
 
@@ -42,6 +47,7 @@ class ServerWorkload:
     vocab: int
     max_model_len: int
     decode_tokens: int = 64
+    decode_repeats: int = 5
     prefill_len: int = 1024
     long_len: int = LONG_PROMPT_TOKENS
     timeout_s: float = 1200.0
@@ -83,10 +89,11 @@ def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: 
     return seconds
 
 
-def measure(base_url: str, work: ServerWorkload, into: dict[str, Any]) -> None:
+def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline: Timeline | None = None) -> None:
     """The engine mode's figures (``engine_child.run_engine``'s keys) through ``base_url``,
     into ``into`` as each is measured: a server that fails a later request (say, at a long
-    prompt) keeps the figures it gave."""
+    prompt) keeps the figures it gave. ``timeline``: kt-hybrid's, told each prefill's name."""
+    timeline = timeline or NoTimeline()
     decode = work.decode_tokens
     into["sampling"] = {"temperature": TEMPERATURE, "seed": "one per decode request, none for prefills"}
     into["via"] = "server"
@@ -100,7 +107,7 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any]) -> None:
             long = timed_batch(base_url, prompts, 2 * decode, seed * 1000 + 200, work.timeout_s)
             return decode_rate(batch, decode, short, long)
 
-        return decode_repeats(pair)
+        return decode_repeats(pair, work.decode_repeats)
 
     into.update(decode_summary("decode_bs1", *rates(1, seed=1)))
     into.update(decode_summary("decode_bs16", *rates(16, seed=2)))
@@ -108,33 +115,54 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any]) -> None:
     # Prefills go unseeded: their one sampled token routes nothing that matters, and vLLM 0.32's CPU
     # build fails a seeded request whose prompt is chunked ("CPU Generator does not use offset").
     # The prompts are the engine mode's (same seeds).
-    timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 3), 1, None, work.timeout_s)  # warm-up
-    prefill_s = timed_batch(base_url, random_prompts(8, prefill_len, work.vocab, 4), 1, None, work.timeout_s)
+
+    def prefill(label: str, count: int, length: int, seed: int) -> float:
+        timeline.mark(label)
+        return timed_batch(base_url, random_prompts(count, length, work.vocab, seed), 1, None, work.timeout_s)
+
+    prefill(f"8 x {prefill_len} warm-up", 8, prefill_len, 3)
+    prefill_s = prefill(f"8 x {prefill_len}", 8, prefill_len, 4)
     into.update(prefill_tok_s=round(8 * prefill_len / prefill_s, 1), prefill_prompt_tokens=prefill_len)
-    alone = [random_prompts(1, prefill_len, work.vocab, seed) for seed in TTFT_SEEDS]
-    ttft_s = statistics.median(timed_batch(base_url, prompt, 1, None, work.timeout_s) for prompt in alone)
+    ttft_s = statistics.median(prefill(f"one {prefill_len} alone, seed {s}", 1, prefill_len, s) for s in TTFT_SEEDS)
     into["ttft_one_prompt_s"] = round(ttft_s, 4)
     long_len = min(work.long_len, work.max_model_len - 2)
-    timed_batch(base_url, random_prompts(1, long_len, work.vocab, 5), 1, None, work.timeout_s)  # warm-up
-    long_s = timed_batch(base_url, random_prompts(1, long_len, work.vocab, 6), 1, None, work.timeout_s)
+    prefill(f"one {long_len} warm-up", 1, long_len, 5)
+    long_s = prefill(f"one {long_len}", 1, long_len, 6)
     into.update(prefill_long_tok_s=round(long_len / long_s, 1), prefill_long_prompt_tokens=long_len)
 
 
 def server_engine_run(
-    server: VLLMServer, name: str, result: dict[str, Any], work: ServerWorkload, routed: tuple[int, int] | None = None
+    server: VLLMServer,
+    name: str,
+    result: dict[str, Any],
+    work: ServerWorkload,
+    routed: tuple[int, int] | None = None,
+    load: Load | None = None,
+    model: str = "",
 ) -> dict[str, Any]:
     """``measure`` against ``server`` once it answers, into ``result`` (an ``error`` where the
     server did not start or a request failed: the sitting goes on with the next system).
     ``routed`` = (experts, top-k) of a vLLM server started with ``routing.server_recording()``:
-    the routing its workload made is recorded as the engine mode's is."""
+    the routing its workload made is recorded as the engine mode's is, and kt-hybrid's
+    per-forward timeline read. ``load``: then ``vllm bench serve`` against the same server,
+    into ``result["load"]`` (``model``: the directory its tokenizer comes from)."""
     print(f"[bench] {name}: its server, then the engine workload through /v1/completions", flush=True)
     started = time.perf_counter()
     try:
         with server:
             since = routing.server_counts(server.base_url) if routed else None
-            measure(server.base_url, work, result)
+            timeline = ServerTimeline(server.base_url, min(MIN_TOKENS, work.prefill_len)) if routed else None
+            try:
+                measure(server.base_url, work, result, timeline)
+            finally:  # what a failed request left recorded is the most telling part
+                if timeline is not None:
+                    steps = timeline.collect()
+                    if steps:
+                        result["timeline"] = timeline_record(steps)
             if routed:
                 result["routing"] = routing.counted_routing(routing.server_counts(server.base_url), *routed, since)
+            if load is not None:
+                result["load"] = bench_serve(server.base_url, f"load-{name}", model, load)
     except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:  # urllib's errors are OSErrors
         result["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
     figures = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "ttft_one_prompt_s", "prefill_long_tok_s")
@@ -142,4 +170,6 @@ def server_engine_run(
     if "error" in result:
         outcome += f"; {result['error']}"
     print(f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {outcome}", flush=True)
+    for step in result.get("timeline", {}).get("summary", []):
+        print(f"[bench] {name}: {describe(step)}", flush=True)
     return result

@@ -56,6 +56,8 @@ from vllm_kt_tools.support.server import VLLMServer
 def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     if args.split_curve and not args.layer_only:
         raise SystemExit("--split-curve times layers alone: use it with --layer-only")
+    if args.sweep_only and not args.kernel_sweep:
+        raise SystemExit("--sweep-only is the kernel sweep alone: use it with --kernel-sweep")
     if args.kernel_sweep and (args.prepare_only or args.layer_only):
         raise SystemExit(
             "--kernel-sweep times kt-kernel before a sitting's engines (or servers, with --load): not with "
@@ -66,7 +68,14 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     model, load_format, hf_config = prepare_model(args, workdir)
     sizes = model_sizes(hf_config)
-    runs = plan_runs(args, model, load_format, sizes, expert_files(args, model, hf_config, sizes))
+    files = expert_files(args, model, hf_config, sizes)
+    runs = plan_runs(args, model, load_format, sizes, files)
+    # sglang-kt takes kt-hybrid's settings (sglang_configs): its run's, planned where it is not listed
+    hybrid = [spec for spec in runs if spec.system == "kt-hybrid"]
+    if not hybrid and SGLANG_PEER in system_order(args):
+        hybrid = plan_runs(
+            argparse.Namespace(**{**vars(args), "systems": "kt-hybrid"}), model, load_format, sizes, files
+        )
     print(
         f"[bench] {model}: {sizes.total_bytes / GIB:.1f} GiB of weights, {sizes.layers} MoE layers x "
         f"{sizes.num_experts} experts ({sizes.expert_bytes / 2**20:.1f} MiB each); {len(runs)} runs",
@@ -99,10 +108,13 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         return run_layer_only(runs, report, workdir, args)
     if args.kernel_sweep:  # every sitting's host speed beside its figures, engines or servers
         sweep_kernels(runs, report, log_dir, args)
+        if args.sweep_only:
+            save(report, args.out)
+            return report
+    if args.server_engine:  # with --load, the load too, against the same servers
+        return run_server_engine(args, runs, hybrid, report, log_dir)
     if args.load:
-        return run_load(args, runs, report, log_dir)
-    if args.server_engine:
-        return run_server_engine(args, runs, report, log_dir)
+        return run_load(args, runs, hybrid, report, log_dir)
     if SGLANG_PEER in system_order(args):  # said, not silently skipped
         report["not_measured"] = {SGLANG_PEER: "engine-mode figures are not built for sglang-kt; it runs under --load"}
         print(f"[bench] {SGLANG_PEER}: {report['not_measured'][SGLANG_PEER]}", flush=True)
@@ -149,6 +161,8 @@ def continue_sitting(report: dict[str, Any], out: Path) -> None:
     report["runs"] = earlier["runs"]
     if "kernel_sweep" in earlier:  # this invocation's sweeps are added to it
         report["kernel_sweep"] = earlier["kernel_sweep"]
+    if "server_engine" in earlier:  # likewise its server runs (run_server_engine checks the workload)
+        report["server_engine"] = earlier["server_engine"]
     report["commands"] = earlier.get("commands", [earlier["command"]]) + [report.pop("command")]
 
 
@@ -216,8 +230,11 @@ def time_layer(
     return layer
 
 
-def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path) -> dict[str, Any]:
-    """--load: every system behind `vllm serve` under `vllm bench serve`."""
+def run_load(
+    args: argparse.Namespace, runs: list[RunSpec], hybrid: list[RunSpec], report: dict[str, Any], log_dir: Path
+) -> dict[str, Any]:
+    """--load: every system behind `vllm serve` under `vllm bench serve` (``hybrid``: kt-hybrid's
+    runs, whose settings sglang-kt takes)."""
     report["load"] = {"input_len": args.load_input_len, "output_len": args.load_output_len, "runs": []}
 
     def load_of(spec_load: tuple[int, int]) -> Load:
@@ -232,30 +249,44 @@ def run_load(args: argparse.Namespace, runs: list[RunSpec], report: dict[str, An
         report["load"]["runs"].append(load_run(spec, load_of(args.offload_load if slow else args.load)))
         save(report, args.out)
     if SGLANG_PEER in system_order(args):
-        for config in sglang_configs(args, runs, report["load"]):
+        for config in sglang_configs(args, hybrid, report["load"]):
             report["load"]["runs"].append(sglang_load_run(config, load_of(args.load)))
             save(report, args.out)
     return report
 
 
 def run_server_engine(
-    args: argparse.Namespace, runs: list[RunSpec], report: dict[str, Any], log_dir: Path
+    args: argparse.Namespace, runs: list[RunSpec], hybrid: list[RunSpec], report: dict[str, Any], log_dir: Path
 ) -> dict[str, Any]:
     """--server-engine: the engine workload (decode at batch 1 and 16, 8 x 1,024, one long
     prompt) through each system's server: vLLM's systems and kt-hybrid behind `vllm serve`,
-    sglang-kt behind its own (bench/server_engine.py says why)."""
-    if not runs:
+    sglang-kt behind its own (bench/server_engine.py says why; ``hybrid``: kt-hybrid's runs,
+    whose settings it takes)."""
+    if not runs and not hybrid:
         raise SystemExit(f"--server-engine: no system to measure (--systems {args.systems})")
-    model = runs[0].model
+    model = (runs or hybrid)[0].model
     config = json.loads((Path(model) / "config.json").read_text())
     max_model_len = min(LONG_PROMPT_TOKENS + 64, max_positions(model))
     work = ServerWorkload(
         vocab=config["vocab_size"],
         max_model_len=max_model_len,
         decode_tokens=args.decode_tokens,
+        decode_repeats=args.decode_repeats,
         timeout_s=args.timeout,
     )
+    load = None
+    if args.load:  # then the load, against each server the workload measured
+        prompts, concurrency = args.load
+        load = Load(prompts, concurrency, args.load_input_len, args.load_output_len, log_dir, args.timeout)
     section: dict[str, Any] = {"workload": asdict(work), "runs": []}
+    if load is not None:
+        section["load"] = {"input_len": load.input_len, "output_len": load.output_len}
+    earlier = report.get("server_engine")  # --append: this invocation's runs after the earlier ones
+    if earlier is not None:
+        if earlier["workload"] != section["workload"]:
+            raise SystemExit(f"--append: {args.out} measured another server workload ({earlier['workload']})")
+        section["runs"] = earlier["runs"]
+        section.update({k: v for k, v in earlier.items() if k not in section})
     report["server_engine"] = section
     sizes = model_sizes(config)
     routed = (sizes.num_experts, sizes.top_k)
@@ -272,14 +303,15 @@ def run_server_engine(
                 log_path=log_dir / f"server-{spec.name}-serve.log",
             )
             record = served_run_record(spec)
-            section["runs"].append(server_engine_run(server, f"server-{spec.name}", record, work, routed))
+            run = server_engine_run(server, f"server-{spec.name}", record, work, routed, load, spec.model)
+            section["runs"].append(run)
             save(report, args.out)
 
     def sglang_servers() -> None:
-        for sglang in sglang_configs(args, runs, section):
+        for sglang in sglang_configs(args, hybrid, section):
             server = sglang_server(sglang, max_model_len, log_dir / f"server-{sglang.name}-serve.log")
             result = {"system": SGLANG_PEER, "method": sglang.method, "variant": sglang.name, "command": server.command}
-            section["runs"].append(server_engine_run(server, f"server-{sglang.name}", result, work))
+            section["runs"].append(server_engine_run(server, f"server-{sglang.name}", result, work, None, load, model))
             save(report, args.out)
 
     order = system_order(args)
@@ -294,15 +326,15 @@ def run_server_engine(
     return report
 
 
-def sglang_configs(args: argparse.Namespace, runs: list[RunSpec], section: dict[str, Any]) -> list[SglangKt]:
+def sglang_configs(args: argparse.Namespace, hybrid_runs: list[RunSpec], section: dict[str, Any]) -> list[SglangKt]:
     """sglang-kt as kt-hybrid's first run is set up: its model dir, kt-kernel method, CPU
     threads and GPU experts per layer, reading the AMX experts --prepare-only made for it
     (recorded in ``section``: the load's or the server engine's)."""
     from vllm_kt_plugin.settings.loader import load_settings
 
-    hybrid = next((spec for spec in runs if spec.system == "kt-hybrid"), None)
+    hybrid = hybrid_runs[0] if hybrid_runs else None
     if hybrid is None:
-        raise SystemExit(f"{SGLANG_PEER} takes kt-hybrid's settings: list kt-hybrid in --systems too")
+        raise SystemExit(f"{SGLANG_PEER} takes kt-hybrid's settings, and this sitting plans no kt-hybrid run")
     settings = load_settings({**os.environ, **hybrid.env})
     sizes = model_sizes(json.loads((Path(hybrid.model) / "config.json").read_text()))
     shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
@@ -407,6 +439,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="vLLM's, for every engine and server of the sitting (default: vLLM's for its entry point and GPU; "
+        "a kt-hybrid forward that streams the CPU experts costs one copy of them whatever its size, so larger "
+        "prefill steps pay it fewer times: docs/split.md)",
+    )
+    parser.add_argument(
+        "--decode-repeats", type=int, default=5, help="pairs of decode runs per batch size (the figure: their median)"
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -443,7 +485,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load",
         type=_load_spec,
         metavar="PROMPTS:CONCURRENCY",
-        help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve`",
+        help="instead of the engine measurements: each system behind `vllm serve` under `vllm bench serve` "
+        "(with --server-engine: after the engine workload, against the same server)",
     )
     parser.add_argument(
         "--server-engine",
@@ -478,6 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kernel's own speed for the whole model, against one layer's cached speed)",
     )
     parser.add_argument(
+        "--sweep-only", action="store_true", help="with --kernel-sweep: the sweep alone, no engines or servers"
+    )
+    parser.add_argument(
         "--skip-layer", action="store_true", help="no layer benchmark after the engines (e.g. run --layer-only first)"
     )
     parser.add_argument(
@@ -495,14 +541,14 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     if args.layer_only:
         return 0 if "error" not in report["split_curve" if args.split_curve else "layer_benchmark"] else 1
-    if args.prepare_only:
+    if args.prepare_only or args.sweep_only:
         return 0
     # a load or server-engine sitting fills only its own runs
     runs = (
-        report["load"]["runs"]
-        if args.load
-        else report["server_engine"]["runs"]
+        report["server_engine"]["runs"]
         if args.server_engine
+        else report["load"]["runs"]
+        if args.load
         else report["runs"]
     )
     failed = [r for r in runs if "error" in r or r.get("failed", 0) > 0 or r.get("completed", 1) == 0]
@@ -514,7 +560,12 @@ def workload_info(args: argparse.Namespace) -> dict[str, Any]:
     with the distinct experts per layer per step that independent tokens would touch."""
     from vllm_kt_tools.bench.routing import COUNTED_TOKENS, TEMPERATURE, expected_distinct
 
-    info: dict[str, Any] = {"temperature": TEMPERATURE, "engine_seed": 0, "decode_tokens": args.decode_tokens}
+    info: dict[str, Any] = {
+        "temperature": TEMPERATURE,
+        "engine_seed": 0,
+        "decode_tokens": args.decode_tokens,
+        "decode_repeats": args.decode_repeats,
+    }
     if not args.model:
         config = SHAPES[args.shape]
         experts, top_k = config["num_experts"], config["num_experts_per_tok"]

@@ -22,10 +22,12 @@ from typing import Any
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, CheckpointFormat, Diagnostic
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.serve_checks import check_serving
+from vllm_kt_plugin.planning.gpu_budget import measured_device_capability
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
+from vllm_kt_plugin.settings.staging import fp8_copy_on
 from vllm_kt_plugin.settings.variables import (
     ALONE,
     HostShare,
@@ -176,11 +178,13 @@ def check_ram(
     model_config: Mapping[str, Any] | None,
     available: int | None,
     gpu_prefill_gpu_experts: int | None = None,
-    fp8_copy: bool = False,
+    fp8_copy: bool | None = False,
+    capability: tuple[int, int] | None = None,
 ) -> Diagnostic:
     """kt-kernel's experts, plus GPU prefill's host copy of the CPU experts when it is on
     (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off; ``fp8_copy``:
-    KT_GPU_PREFILL_FP8_COPY, the copy in block FP8)."""
+    KT_GPU_PREFILL_FP8_COPY, the copy in block FP8, None: auto, decided for ``capability``,
+    this host's GPU's)."""
     if model_config is None:
         return Diagnostic("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
     if method is None or available is None:
@@ -193,6 +197,7 @@ def check_ram(
     if need is None:
         return Diagnostic("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
+    fp8_copy = fp8_copy_on(fp8_copy, method, quantized=memory.quantized, tensor_parallel_size=1, capability=capability)
     host = memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts or 0, method, fp8_copy=fp8_copy)
     if gpu_prefill_gpu_experts is not None and host:
         need += host
@@ -289,6 +294,7 @@ def run_checks(
             system.mem_available_bytes,
             _gpu_prefill_gpu_experts(settings),
             settings.gpu_prefill_fp8_copy,
+            measured_device_capability(),
         ),
     ]
 

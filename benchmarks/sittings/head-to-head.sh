@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The head-to-head sitting (issues 37 and 38): kt-hybrid against KTransformers' sglang-kt, and
+# kt-hybrid's prefill against its own copy bound, on one lent GPU host of 30 minutes.
+#
+# On the host, from a copy of the repo (the call's checkout is replaced by every later call):
+#   cp -a . /root/main && cd /root/main && VLLM_KT_COMMIT=<sha> \
+#     setsid nohup bash benchmarks/sittings/head-to-head.sh > /root/sitting.log 2>&1 < /dev/null &
+# after vLLM's bundle is installed (../shared/gpu-host/README.md), while sglang-kt's parts are
+# still being carried (benchmarks/sglang-bundle.sh: bash .sglbundle/install-part.sh per part).
+# Every later call copies what exists out: bash benchmarks/sittings/collect.sh (to $OUT).
+# docs/benchmarks.md, *The head-to-head sitting*, has the calls, in order, and the timings.
+#
+# Stages, most wanted first (the host is taken back at 30 minutes, whatever runs):
+#   1. AMXINT4 experts, quantized once without the GPU (kt-hybrid's cache; sglang-kt reads them too)
+#   2. kt-hybrid behind `vllm serve`: decode at batch 1 and 16 (5 repeats each), 8 x 1,024, one 1,024
+#      alone (time to first token), one 16K prompt, with the per-forward timeline; then the load,
+#      1,000 requests at concurrency 64, against the same server
+#   3. the FP8 host copy's accuracy beside the CPU methods' (GPU tests, tiny models), while
+#      sglang-kt's package set is installed (nothing is timed meanwhile)
+#   4. sglang-kt behind its own server, the same workload and load: KTransformers' documented
+#      point for Qwen3-30B-A3B first, then one more point
+#   5. vLLM's expert-only UVA offloader, engine mode, a decode it can finish
+#   6. bare kt-kernel through every layer (the kernel sweep)
+# Each stage writes its JSON under $BENCH_OUT as soon as each system ends; the host's memory
+# bandwidth (kt-kernel's thread count) is in every JSON's host record.
+set -u
+cd "$(dirname "$0")/../.."
+export BENCH_OUT=${BENCH_OUT:-/root/bench-out}
+export METHODS=AMXINT4
+export SGLANG_PYTHON=${SGLANG_PYTHON:-/root/sglsite/python}
+mkdir -p "$BENCH_OUT"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]*' | tr 'H' 'h')
+SERVER_JSON=${card:-gpu}_h2h_server_qwen3_30b_a3b.json
+ENGINE_JSON=${card:-gpu}_h2h_engine_qwen3_30b_a3b.json
+# 16-token decode runs (pairs of 16 and 32 new tokens): five pairs at batch 16 take about a
+# minute on the H100; the sitting's figures are medians of five.
+export BENCH_ARGS="--decode-tokens 16 --decode-repeats 5 ${BENCH_ARGS:-}"
+stage() { echo "$(date +%T) SITTING $*" | tee -a "$BENCH_OUT/stages.log"; }
+
+# Nothing of a system may outlive it (the bench kills each one's process group and checks the
+# GPU's memory); this says so in the log, and clears what a crash left, before the next stage.
+leftovers() {
+  local apps
+  apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2> /dev/null)
+  if [ -n "$apps" ]; then
+    stage "LEFTOVER GPU processes after $1: $apps (killed)"
+    echo "$apps" | cut -d, -f1 | xargs -r kill -9 2> /dev/null
+    sleep 3
+  fi
+}
+
+stage "1 prepare (AMXINT4 experts, no GPU)"
+STAGES=prepare bash benchmarks/run_h200.sh
+leftovers prepare
+
+stage "2 kt-hybrid behind vllm serve: decode, prefills, timeline, load"
+KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=1000:64 \
+  SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384" SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
+leftovers kt-hybrid
+
+stage "3 GPU accuracy tests beside sglang-kt's install"
+GPU_TEST_FILES=tests/engine/test_gpu.py GPU_TESTS=fp8_copy_drift GPU_TESTS_TIMEOUT=${ACCURACY_TIMEOUT_S:-330} \
+  GPU_TESTS_JSON=${card:-gpu}_fp8_copy_accuracy.json STAGES=gpu-tests bash benchmarks/run_h200.sh &
+tests=$!
+sglang=ok
+if ! timeout "${SGLANG_INSTALL_WAIT_S:-600}" bash /root/main/.sglbundle/install-part.sh --install \
+    > "$BENCH_OUT/sglang-install.log" 2>&1; then
+  sglang="its package set did not install (sglang-install.log)"
+elif ! bash benchmarks/sglang-check.sh > "$BENCH_OUT/sglang-check.log" 2>&1; then
+  sglang="$(tail -1 "$BENCH_OUT/sglang-check.log")"
+fi
+stage "sglang-kt: $sglang"
+wait $tests
+leftovers gpu-tests
+
+if [ "$sglang" = ok ]; then
+  stage "4 sglang-kt behind its own server: the documented point, then one more; the load"
+  KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=1000:64 \
+    SGLANG_SWEEP=${SGLANG_POINTS:-4096:2,0:0} SERVER_ENGINE_ARGS="--append" SERVER_ENGINE_JSON=$SERVER_JSON \
+    bash benchmarks/run_h200.sh
+  leftovers sglang-kt
+else
+  stage "4 skipped: sglang-kt $sglang"
+fi
+
+stage "5 vLLM's expert-only offloader, engine mode"
+KERNEL_SWEEP=0 STAGES=peers PEER_SYSTEMS=vllm-offload-experts BENCH_ARGS="--decode-tokens 8 --decode-repeats 3" \
+  BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
+leftovers offloader
+
+stage "6 the kernel sweep"
+STAGES=sweep BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
+stage "SITTING DONE"
