@@ -5,8 +5,11 @@ middle of a forward."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from vllm_kt_plugin.hybrid.vllm_compat import TOUCHES, Touch
 from vllm_kt_tools.support.moe_layers import build_moe
@@ -67,3 +70,28 @@ def test_the_op_finds_its_layer_through_the_forward_context(vllm_layer_context) 
     runner = build_moe(None)
     with set_forward_context(None, vllm_layer_context):
         assert routed_experts_of(runner.routed_experts.layer_name) is runner.routed_experts
+
+
+# A fresh process: this one asked already (vllm_world). ARCH_GET_XCOMP_PERM = 0x1022 (syscall
+# arch_prctl, 158) reads the granted features; bit 18 is XFEATURE_XTILEDATA, AMX's tile data.
+_TILE_PERMISSION = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def granted():
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value & (1 << 18))
+before = granted()
+from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
+print(before, ask_for_amx_tiles(), granted())
+"""
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles: there is no permission to ask for"
+)
+def test_ask_for_amx_tiles_gets_the_tile_permission() -> None:
+    """What keeps vLLM's CPU kernels from dying of SIGILL under --enforce-eager (see
+    ask_for_amx_tiles): a process starts without tile permission and has it afterwards."""
+    out = subprocess.run([sys.executable, "-c", _TILE_PERMISSION], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out

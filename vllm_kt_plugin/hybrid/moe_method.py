@@ -37,6 +37,7 @@ from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.observers import RecordsRouting, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
+    ask_for_amx_tiles,
     fused_shared_experts,
     native_moe_quant_config,
     native_view,
@@ -159,6 +160,9 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         moe = layer.moe_config
         super().__init__(moe)
         check_layer_supported(layer, moe)
+        # This process will forward the layer: AMX tiles first, or vLLM's CPU kernels die of
+        # SIGILL with --enforce-eager on AMX CPUs (vllm_compat.ask_for_amx_tiles says why).
+        ask_for_amx_tiles()
         settings = context.settings
         vllm_config = get_current_vllm_config()
         chunk = settings.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)

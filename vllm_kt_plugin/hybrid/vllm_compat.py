@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,9 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+logger = logging.getLogger(LOGGER_NAME)
 
 VLLM_VERSION = "0.32.0"  # the version whose behaviour every touch below was read from
 
@@ -133,6 +139,18 @@ TOUCHES: tuple[Touch, ...] = (
         "experts_cls",
         "instance",
         "the experts kernel class chosen in __init__ with fp8_backend (kernel_chosen)",
+    ),
+    Touch(
+        "torch.cpu",
+        "_is_amx_tile_supported",
+        "owner",
+        "whether the CPU has AMX tiles, as vLLM's CPU build itself asks (its kernels' ISA choice)",
+    ),
+    Touch(
+        "torch.cpu",
+        "_init_amx",
+        "owner",
+        "asks Linux for AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's CPU kernels do not",
     ),
 )
 
@@ -272,6 +290,29 @@ def cpu_runs_block_fp8_moe() -> bool:
     """Whether vLLM 0.32's CPU build can run block-FP8 MoE here: its CPUExpertsFp8 kernel
     needs AMX tiles (asked through torch's private probe, the one vLLM's CPU build uses)."""
     return bool(torch.cpu._is_amx_tile_supported())  # type: ignore[attr-defined]
+
+
+@functools.cache
+def ask_for_amx_tiles() -> bool:
+    """Ask Linux once per process for AMX tile permission (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, through torch's private wrapper); whether tiles may be used.
+
+    Why: on an AMX CPU, vLLM 0.32's CPU build runs AMX instructions in its kernels (its
+    attention, ``cpu_attention_with_kv_cache``, and its MoE kernels) without asking first.
+    Under torch.compile an earlier oneDNN matmul happens to ask; with ``--enforce-eager``
+    nothing does, and the worker dies of SIGILL (exit code -4) at the first request, plain
+    vLLM too (``tests/engine/test_serving_e2e.py::test_enforce_eager_serves_on_amx``).
+    kt-kernel asks only from its own threads at their first forward. So every process that
+    builds a kt-hybrid layer asks here, before its first forward. A no-op without AMX."""
+    if not torch.cpu._is_amx_tile_supported():  # type: ignore[attr-defined]
+        return False
+    granted = bool(torch.cpu._init_amx())  # type: ignore[attr-defined]
+    if not granted:
+        logger.warning(
+            "kt-hybrid: Linux refused AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM needs kernel >= 5.16); "
+            "vLLM's CPU kernels may die of SIGILL with --enforce-eager"
+        )
+    return granted
 
 
 def fp8_backend_name(native: FusedMoEMethodBase) -> str | None:
