@@ -38,11 +38,16 @@ from vllm_kt_plugin.hybrid.observers import RecordsRouting, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     ask_for_amx_tiles,
+    clamped_swiglu,
     fused_shared_experts,
+    layer_index,
+    lora_enabled,
     native_moe_quant_config,
     native_view,
+    prefill_context_parallel_size,
     routed_experts_of,
     set_local_num_experts,
+    wrap_expert_weight_loaders,
 )
 from vllm_kt_plugin.planning.placement import ExpertPlacement
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
@@ -85,16 +90,16 @@ def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
         problems.append(f"its experts use {moe.activation.value}; kt-kernel computes SiLU-gated experts only")
     if moe.has_bias:
         problems.append("its experts have biases, which kt-kernel does not support")
-    if layer.swiglu_limit is not None or layer.swiglu_alpha is not None:
+    if clamped_swiglu(layer):
         problems.append("its experts use a clamped/scaled SwiGLU, which kt-hybrid does not support")
     if layer.apply_router_weight_on_input:
         problems.append("it applies router weights on the input, which kt-hybrid does not support")
     parallel: FusedMoEParallelConfig = moe.moe_parallel_config
     if parallel.use_ep or parallel.enable_eplb:
         problems.append("expert parallelism / EPLB is enabled; kt-hybrid places experts itself")
-    if parallel.dp_size > 1 or parallel.pcp_size > 1:
+    if parallel.dp_size > 1 or prefill_context_parallel_size(parallel) > 1:
         problems.append("data or prefill-context parallelism is enabled, which kt-hybrid does not support")
-    if moe.is_lora_enabled:
+    if lora_enabled(moe):
         problems.append("LoRA is enabled, which kt-hybrid does not support on MoE layers")
     if fused_shared_experts(layer):
         problems.append("shared experts are fused into the routed experts (ROCm AITER)")
@@ -122,19 +127,13 @@ def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
-def layer_idx_of(prefix: str) -> int:
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return extract_layer_index(prefix)
-
-
 def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, chunk: int) -> LayerSpec:
     vllm_config = get_current_vllm_config()
     model_config = vllm_config.model_config
     moe = layer.moe_config
     return LayerSpec(
         layer_name=prefix,
-        layer_idx=layer_idx_of(prefix),
+        layer_idx=layer_index(prefix),
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=moe.hidden_dim,
@@ -168,7 +167,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         chunk = settings.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)
 
         self.layer_name = prefix
-        self.layer_idx = layer_idx_of(prefix)
+        self.layer_idx = layer_index(prefix)
         self.settings = settings
         self.context = context
         self.placement = context.plan.placement_for(self.layer_idx, layer.global_num_experts)
@@ -287,10 +286,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             path.create_weights(layer, dict(self._create_args))
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
-        for name, param in layer.named_parameters(recurse=False):
-            loader = getattr(param, "weight_loader", None)
-            if name not in existing and loader is not None:
-                param.weight_loader = self._expert_weight_loader(layer, loader, name)
+        new = {name for name, _ in layer.named_parameters(recurse=False)} - existing
+        wrap_expert_weight_loaders(layer, new, functools.partial(self._expert_weight_loader, layer))
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -328,7 +325,6 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             with native_view(layer, native):
                 return native_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)
 
-        weight_loader.supports_moe_loading = True  # type: ignore[attr-defined]
         return weight_loader
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
