@@ -31,8 +31,9 @@ def owner_of(touch: Touch) -> object:
 
 @pytest.fixture(scope="module")
 def instances(vllm_layer_context) -> dict[str, object]:
-    """One instance of each class whose instance attributes we touch, built as a model
-    builds them (plain vLLM, no kt-hybrid: the attributes are vLLM's)."""
+    """One instance of each class whose instance attributes we touch or whose attributes
+    the guard below collects, built as a model builds them (plain vLLM, no kt-hybrid: the
+    attributes are vLLM's)."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     plain = build_moe(None)
