@@ -23,13 +23,13 @@ def register() -> None:
     if _registered:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
-    from vllm.ray.ray_env import DEFAULT_ENV_VAR_PREFIXES
 
     from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig
     from vllm_kt_plugin.hybrid.serve_checks import print_config_errors_last
+    from vllm_kt_plugin.hybrid.vllm_compat import let_ray_workers_inherit
     from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
     register_quantization_config(QUANT_NAME)(KTHybridConfig)
-    DEFAULT_ENV_VAR_PREFIXES.add(SETTINGS_PREFIX)
+    let_ray_workers_inherit(SETTINGS_PREFIX)
     print_config_errors_last()
     _registered = True

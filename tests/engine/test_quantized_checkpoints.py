@@ -33,6 +33,15 @@ CHECKPOINTS = [
     ("qwen3_moe", "gptq-int4", "GPTQ_INT4"),
 ]
 IDS = [f"{arch}-{fmt}" for arch, fmt, _ in CHECKPOINTS]
+# The largest relative (Frobenius) error of a routed expert's matrix, dequantized, against its
+# BF16 source: the format's own rounding. FP8 e4m3 keeps 3 mantissa bits (half an ulp: 2**-4 of
+# a weight at most); INT4 has 16 levels per group, whose largest weight sets the step, so GPTQ's
+# 128-wide groups round coarser than compressed-tensors' 32-wide ones. Measured on the 2-core AMX
+# dev box (`pytest -s tests/engine/test_quantized_checkpoints.py -k keeps_the_weights`,
+# 2026-12-06): fp8-block 0.0270 (Qwen3-MoE) and 0.0269 (DeepSeek-V3), ct-int4 0.1043, gptq-int4
+# 0.1318. Bounds: about 30 % over the measurement for FP8 and CT (a retrained tiny model spreads its
+# weights a little otherwise); GPTQ keeps the bound it had, 0.15 (14 % over).
+QUANTIZATION_ERROR_BOUNDS = {"fp8-block": 0.035, "ct-int4": 0.135, "gptq-int4": 0.15}
 
 
 def _unpack_int4(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -89,7 +98,8 @@ def test_quantization_keeps_the_weights(tiny_model, quantized_model, arch: str, 
                 dequantized(tensors, fmt, name.removesuffix(".weight")) - weight.float()
             ).norm() / weight.float().norm()
             worst = max(worst, error.item())
-    assert worst < (0.05 if fmt == "fp8-block" else 0.15), worst
+    print(f"{arch} {fmt}: largest relative error of an expert matrix {worst:.4f}")
+    assert worst < QUANTIZATION_ERROR_BOUNDS[fmt], worst
 
 
 @pytest.mark.parametrize(("arch", "fmt", "method"), CHECKPOINTS, ids=IDS)

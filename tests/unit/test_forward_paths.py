@@ -15,6 +15,15 @@ from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_tools.support.moe_layers import HIDDEN, build_moe, load, random_experts, random_routing, reference_moe
 
 E, K = 8, 2
+# The hybrid layer's output against the dense float32 reference, relative to the reference's
+# largest value. Cause: bf16 rounding of the native kernel's output and of the CPU+GPU sum,
+# about 2 ulp = 2**-7, as test_moe_method's ATOL_REL. Measured on the 2-core AMX dev box
+# (torch backend, 3 of 8 experts on vLLM's CPU kernel; `pytest -s tests/unit/test_forward_paths.py
+# -k "plugs_in or compiled_op"`, 2026-12-06): 0.0029 (5 tokens), 0.0036 (6), 0.0029 (the op, 8);
+# over 150 such forwards (5, 6 and 8 tokens, seeds 0-49, a one-off loop over `forward` below) at
+# most 0.0055, median 0.0035. Bound: 2**-6 = 0.0156, twice that rounding and 2.8x the largest
+# measured (a path that doubles the output is compared, relatively, with a doubled reference).
+REFERENCE_BOUND = 2**-6
 
 
 def hybrid_layer(**env: str):
@@ -23,6 +32,10 @@ def hybrid_layer(**env: str):
     experts = random_experts(E, seed=3)
     load(runner, experts)
     return runner.routed_experts, experts
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.float() - ref).abs().max().item() / ref.abs().max().item()
 
 
 def forward(layer, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,8 +81,9 @@ def test_a_new_path_plugs_in_by_its_place_in_the_builders(
     layer, experts = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
     for tokens, factor in ((5, 2), (6, 1)):
         out, x, ids, weights = forward(layer, tokens, seed=tokens)
-        ref = reference_moe(x, ids, weights, experts)
-        assert torch.allclose(out.float(), factor * ref, atol=0.05 * ref.abs().max().item()), tokens
+        error = relative_error(out, factor * reference_moe(x, ids, weights, experts))  # of a doubled reference
+        print(f"{tokens} tokens (path output x{factor}): relative error {error:.4f}")
+        assert error <= REFERENCE_BOUND, (tokens, error)
     assert taken == [5]
 
 
@@ -108,5 +122,6 @@ def test_the_compiled_op_finds_its_layer_in_the_forward_context(vllm_layer_conte
     with set_forward_context(None, vllm_layer_context):
         op = torch.ops.vllm_kt.hybrid_moe(x, weights, ids, layer.layer_name)
     assert torch.equal(op, eager)
-    ref = reference_moe(x, ids, weights, experts)
-    assert (op.float() - ref).abs().max().item() <= 2**-6 * ref.abs().max().item()
+    error = relative_error(op, reference_moe(x, ids, weights, experts))
+    print(f"the op, 8 tokens: relative error {error:.4f}")
+    assert error <= REFERENCE_BOUND

@@ -5,6 +5,7 @@ kt-kernel's method list in step with the copy the catalogue keeps."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,120 @@ def test_settings_import_nothing_above_them() -> None:
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
 
 
+# vLLM's public interfaces, the only vLLM imports allowed outside hybrid/vllm_compat.py:
+# the quantization-method plugin interface kt-hybrid implements (vLLM calls it with these
+# types: the config, the MoE method and the layer it is given, its FusedMoEConfig, ...),
+# vLLM's logger, platform, config context and custom-op helper, and the Hugging Face config
+# reader `vllm serve` itself uses. Everything else of vLLM's is an internal: it goes through
+# vllm_compat, with a TOUCHES entry that tests/unit/test_vllm_compat.py checks on the
+# installed vLLM.
+PUBLIC_VLLM_IMPORTS: dict[str, frozenset[str]] = {
+    "vllm.config": frozenset({"CUDAGraphMode", "VllmConfig", "get_current_vllm_config", "set_current_vllm_config"}),
+    "vllm.logger": frozenset({"init_logger"}),
+    "vllm.platforms": frozenset({"current_platform"}),
+    "vllm.utils.torch_utils": frozenset({"direct_register_custom_op"}),
+    "vllm.transformers_utils.config": frozenset({"get_config"}),
+    "vllm.model_executor.layers.quantization": frozenset({"get_quantization_config", "register_quantization_config"}),
+    "vllm.model_executor.layers.quantization.base_config": frozenset(
+        {"QuantizationConfig", "QuantizeMethodBase", "resolve_quant_method"}
+    ),
+    "vllm.model_executor.layers.linear": frozenset({"LinearBase", "UnquantizedLinearMethod"}),
+    "vllm.model_executor.models.utils": frozenset({"WeightsMapper"}),
+    "vllm.model_executor.layers.fused_moe": frozenset({"RoutedExperts"}),
+    "vllm.model_executor.layers.fused_moe.fused_moe_method_base": frozenset({"FusedMoEMethodBase"}),
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": frozenset({"UnquantizedFusedMoEMethod"}),
+    "vllm.model_executor.layers.fused_moe.config": frozenset(
+        {"FusedMoEConfig", "FusedMoEParallelConfig", "FusedMoEQuantConfig"}
+    ),
+    "vllm.model_executor.layers.fused_moe.activation": frozenset({"MoEActivation"}),
+    "vllm.model_executor.layers.fused_moe.modular_kernel": frozenset({"FusedMoEKernel"}),
+    "vllm.model_executor.layers.fused_moe.runner.shared_experts": frozenset({"SharedExperts"}),
+}
+COMPAT = ROOT / RUNTIME / "hybrid" / "vllm_compat.py"
+_VLLM_MODULE_NAME = re.compile(r"vllm(\.\w+)+")
+
+
+def _is_vllm(module: str) -> bool:
+    return module == "vllm" or module.startswith("vllm.")
+
+
+def _names_a_vllm_module(node: ast.AST) -> bool:
+    import importlib.util
+
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    return bool(_VLLM_MODULE_NAME.fullmatch(node.value)) and importlib.util.find_spec(node.value) is not None
+
+
+def vllm_imports_outside_compat() -> list[tuple[str, str, str | None]]:
+    """Every use of a vLLM module outside vllm_compat.py, as (where, module, name): each
+    ``from vllm... import name`` and ``import vllm...`` (TYPE_CHECKING ones too), and each
+    string naming an importable vLLM module (``importlib.import_module("vllm....")``)."""
+    found = []
+    for path in sorted((ROOT / RUNTIME).rglob("*.py")):
+        if path == COMPAT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _is_vllm(node.module):
+                found += [(where, node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(where, alias.name, None) for alias in node.names if _is_vllm(alias.name)]
+            elif _names_a_vllm_module(node):
+                found.append((where, node.value, None))
+    return found
+
+
+def unlisted_vllm_imports(found: list[tuple[str, str, str | None]]) -> list[str]:
+    return [
+        f"{where} {module}{f'.{name}' if name else ''}"
+        for where, module, name in found
+        if name is None or name not in PUBLIC_VLLM_IMPORTS.get(module, ())
+    ]
+
+
+def test_vllm_is_imported_through_its_public_interfaces_only() -> None:
+    """Outside vllm_compat.py every vLLM import is on PUBLIC_VLLM_IMPORTS: any other — a new
+    one included, whatever its name — fails here, to be moved into vllm_compat with a
+    TOUCHES entry (or, if it is an interface vLLM offers plugins, added above with why)."""
+    found = vllm_imports_outside_compat()
+    assert len(found) > 20  # the walk found the package's imports
+    unlisted = unlisted_vllm_imports(found)
+    assert not unlisted, "vLLM internals outside hybrid/vllm_compat.py: " + "; ".join(unlisted)
+
+
+def test_the_public_vllm_imports_exist_and_are_used() -> None:
+    """The allow-list against the installed vLLM (an upgrade that moves one fails here), and
+    no stale entry: each is imported somewhere."""
+    import importlib
+
+    missing = [
+        f"{module}.{name}"
+        for module, names in PUBLIC_VLLM_IMPORTS.items()
+        for name in sorted(names)
+        if not hasattr(importlib.import_module(module), name)
+    ]
+    assert not missing, missing
+    used = {(module, name) for _, module, name in vllm_imports_outside_compat()}
+    listed = {(module, name) for module, names in PUBLIC_VLLM_IMPORTS.items() for name in names}
+    assert listed <= used, sorted(listed - used)
+
+
+def test_the_import_guard_finds_what_it_was_not_told_about() -> None:
+    """A new import is caught by what it is, not by its name being on some list."""
+    found = [
+        ("a.py:1", "vllm.envs", "VLLM_CPU_KVCACHE_SPACE"),
+        ("a.py:2", "vllm.config", "get_current_vllm_config"),
+        ("a.py:3", "vllm.model_executor.layers.fused_moe.config", "some_new_helper"),
+        ("a.py:4", "vllm.distributed", None),
+    ]
+    assert unlisted_vllm_imports(found) == [
+        "a.py:1 vllm.envs.VLLM_CPU_KVCACHE_SPACE",
+        "a.py:3 vllm.model_executor.layers.fused_moe.config.some_new_helper",
+        "a.py:4 vllm.distributed",
+    ]
+
+
 # vLLM (and torch.nn.Module) internals that kt-hybrid reads or writes.
 PRIVATE_VLLM_ATTRIBUTES = frozenset(
     {"_buffers", "_parameters", "_modules", "_expert_map", "_init_moe_kernel", "_verify_quantization"}
@@ -140,10 +255,9 @@ def test_vllm_internals_are_touched_in_one_module() -> None:
     touched = PRIVATE_VLLM_ATTRIBUTES | {touch.attribute for touch in TOUCHES}
     # strings count too (getattr(obj, "name")), but Mixtral's config.json key of this name is not vLLM's
     config_keys = {("model_memory.py", "num_local_experts")}
-    compat = ROOT / RUNTIME / "hybrid" / "vllm_compat.py"
     found = []
     for path in sorted((ROOT / RUNTIME).rglob("*.py")):
-        if path == compat:
+        if path == COMPAT:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)

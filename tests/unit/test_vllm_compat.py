@@ -1,15 +1,24 @@
 """Every vLLM internal kt-hybrid relies on (``hybrid/vllm_compat.py``'s TOUCHES) exists
 on the installed vLLM: an upgrade that renames one fails here, by name, and not in the
-middle of a forward."""
+middle of a forward. Outside vllm_compat the package reads only public attributes of
+vLLM's objects (PUBLIC_VLLM_ATTRIBUTES); tests/unit/test_layout.py guards the imports."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_kt_plugin.hybrid.vllm_compat import TOUCHES, Touch
 from vllm_kt_tools.support.moe_layers import build_moe
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPAT = ROOT / "vllm_kt_plugin" / "hybrid" / "vllm_compat.py"
 
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -22,8 +31,9 @@ def owner_of(touch: Touch) -> object:
 
 @pytest.fixture(scope="module")
 def instances(vllm_layer_context) -> dict[str, object]:
-    """One instance of each class whose instance attributes we touch, built as a model
-    builds them (plain vLLM, no kt-hybrid: the attributes are vLLM's)."""
+    """One instance of each class whose instance attributes we touch or whose attributes
+    the guard below collects, built as a model builds them (plain vLLM, no kt-hybrid: the
+    attributes are vLLM's)."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     plain = build_moe(None)
@@ -33,10 +43,191 @@ def instances(vllm_layer_context) -> dict[str, object]:
         "RoutedExperts": plain.routed_experts,
         "ExpertMapManager": plain.routed_experts.expert_map_manager,
         "FusedMoEConfig": plain.routed_experts.moe_config,
+        "FusedMoEParallelConfig": plain.routed_experts.moe_config.moe_parallel_config,
+        "VllmConfig": vllm_layer_context,
         "UnquantizedFusedMoEMethod": plain.routed_experts.quant_method,
         "FusedMoEMethodBase": plain.routed_experts.quant_method,
         "Fp8MoEMethod": fp8.quant_method,
     }
+
+
+# Attributes of vLLM's objects that code outside vllm_compat may read: vLLM's interfaces,
+# not its internals. Each group says why.
+PUBLIC_VLLM_ATTRIBUTES: dict[str, frozenset[str]] = {
+    # The quantization-method interface (QuantizeMethodBase, FusedMoEMethodBase) kt-hybrid
+    # implements and forwards to the checkpoint's own method; vLLM's engine calls it.
+    "the MoE method interface": frozenset(
+        {
+            "create_weights",
+            "process_weights_after_loading",
+            "maybe_roundup_sizes",
+            "requires_device_loading",
+            "uses_meta_device",
+            "supports_pre_processed_weights",
+            "is_monolithic",
+            "moe",
+        }
+    ),
+    # What vLLM's own MoE methods read of the RoutedExperts layer they are given, and the
+    # parameters vLLM's unquantized method creates on it (the names checkpoints map to).
+    "the layer a method is given": frozenset(
+        {"moe_config", "global_num_experts", "apply_router_weight_on_input", "w13_weight", "w2_weight"}
+    ),
+    # FusedMoEConfig and its FusedMoEParallelConfig: the layer's shape and parallel layout,
+    # the constructor argument of every MoE method.
+    "the layer's shape and parallel layout": frozenset(
+        {
+            "activation",
+            "has_bias",
+            "hidden_dim",
+            "intermediate_size",
+            "experts_per_token",
+            "num_experts",
+            "device",
+            "moe_parallel_config",
+            "tp_size",
+            "tp_rank",
+            "dp_size",
+            "use_ep",
+            "enable_eplb",
+            "make",  # FusedMoEQuantConfig.make(): the unquantized quant config's constructor
+        }
+    ),
+    # VllmConfig's parts: the engine's settings, as the user gave them.
+    "the engine's settings": frozenset(
+        {
+            "model_config",
+            "parallel_config",
+            "cache_config",
+            "scheduler_config",
+            "load_config",
+            "compilation_config",
+            "max_num_batched_tokens",  # scheduler_config's (VllmConfig has one too)
+        }
+    ),
+    # Attributes of the package's own objects whose names vLLM's objects also carry
+    # (LayerSpec.top_k and layer_name, a Variable's name, pluggy's register, ...).
+    "our own names that vLLM also uses": frozenset(
+        {
+            "name",
+            "enabled",
+            "register",
+            "gate",
+            "layer_name",
+            "hidden_size",
+            "top_k",
+            "quant_config",
+            "quant_method",
+            "load_weights",
+            "expert_map",  # HostExperts' own
+            "update",  # dict.update
+        }
+    ),
+}
+PUBLIC_NAMES = frozenset().union(*PUBLIC_VLLM_ATTRIBUTES.values())
+_NAME_ARGUMENT_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def vllm_attribute_names(instances: dict[str, object]) -> set[str]:
+    """The attributes vLLM's objects of these kinds carry (methods, fields, instance
+    attributes, parameters and buffers), less those of torch.nn.Module and object."""
+    inherited = set(dir(torch.nn.Module())) | set(dir(object()))
+    names: set[str] = set()
+    for obj in instances.values():
+        names |= set(dir(obj)) | set(getattr(obj, "__dict__", {}))
+        for table in ("_parameters", "_buffers", "_modules"):
+            names |= set(getattr(obj, "__dict__", {}).get(table, {}) or {})
+    return {n for n in names - inherited if not n.startswith("__")}
+
+
+def attribute_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of every attribute ``path`` reads or writes: ``x.name``, and the name
+    string of ``getattr(x, "name")`` and its kin."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            uses.append((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _NAME_ARGUMENT_CALLS
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            uses.append((node.lineno, node.args[1].value))
+    return uses
+
+
+def unlisted_vllm_attributes(vllm_names: set[str], paths: list[Path]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} {name}"
+        for path in paths
+        for line, name in attribute_uses(path)
+        if name in vllm_names and name not in PUBLIC_NAMES
+    ]
+
+
+def _runtime_files() -> list[Path]:
+    return [p for p in sorted((ROOT / "vllm_kt_plugin").rglob("*.py")) if p != COMPAT]
+
+
+def test_vllm_objects_are_read_through_public_attributes_only(instances: dict[str, object]) -> None:
+    """Every attribute that vLLM's MoE layer, its runner, configs and methods carry, used
+    outside vllm_compat, is on PUBLIC_VLLM_ATTRIBUTES: a new one — whatever its name —
+    fails here, to be moved into vllm_compat with a TOUCHES entry (or added above, with why).
+    Names are matched, not types: an attribute of our own with a vLLM name is listed as such;
+    the engine's settings' own fields (ModelConfig.max_model_len, ...) are not checked."""
+    vllm_names = vllm_attribute_names(instances)
+    assert {"moe_config", "global_num_experts", "swiglu_limit", "is_lora_enabled", "pcp_size"} <= vllm_names
+    unlisted = unlisted_vllm_attributes(vllm_names, _runtime_files())
+    assert not unlisted, "vLLM attributes outside hybrid/vllm_compat.py: " + "; ".join(unlisted)
+
+
+def test_public_attributes_are_vllms_and_not_touches(instances: dict[str, object]) -> None:
+    """The allow-list against the installed vLLM: each name is still one of its objects'
+    (an upgrade that renames one fails here), and none is an internal TOUCHES lists."""
+    missing = PUBLIC_NAMES - vllm_attribute_names(instances)
+    assert not missing, sorted(missing)
+    assert not PUBLIC_NAMES & {touch.attribute for touch in TOUCHES}
+
+
+def test_the_attribute_guard_finds_what_it_was_not_told_about(instances: dict[str, object], tmp_path: Path) -> None:
+    """A new touch is caught by being vLLM's, not by its name being on some list."""
+    new = tmp_path / "new_touch.py"
+    new.write_text("def f(layer):\n    return layer.moe_config.routing_method, getattr(layer, 'expert_map_manager')\n")
+    found = unlisted_vllm_attributes(vllm_attribute_names(instances), [new])
+    assert [entry.rsplit(" ", 1)[1] for entry in found] == ["routing_method", "expert_map_manager"]
+
+
+def test_expert_weights_load_as_vllm_compat_says(instances: dict[str, object]) -> None:
+    """The loader convention load_expert_weight and wrap_expert_weight_loaders rely on:
+    vLLM's expert loader takes (param, loaded_weight, weight_name, shard_id, expert_id,
+    return_success) positionally, puts gate (w1) then up (w3) into w13_weight and down (w2)
+    into w2_weight, refuses other shard ids, and carries the supports_moe_loading mark."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from vllm_kt_plugin.hybrid.vllm_compat import DOWN_SHARD, GATE_SHARD, UP_SHARD, load_expert_weight
+
+    parameters = list(inspect.signature(RoutedExperts.weight_loader).parameters)
+    assert parameters == ["self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"]
+    assert RoutedExperts.weight_loader.supports_moe_loading  # type: ignore[attr-defined]
+    layer = build_moe(None).routed_experts
+    assert layer.w13_weight.weight_loader == layer.weight_loader  # each parameter carries the loader
+    inter, hidden = layer.w2_weight.shape[2], layer.w2_weight.shape[1]
+    gate, up, down = (
+        torch.full(shape, v, dtype=torch.bfloat16)
+        for shape, v in (((inter, hidden), 1), ((inter, hidden), 2), ((hidden, inter), 3))
+    )
+    assert load_expert_weight(layer, "w13_weight", gate, "w13_weight", GATE_SHARD, 5)
+    assert load_expert_weight(layer, "w13_weight", up, "w13_weight", UP_SHARD, 5)
+    assert load_expert_weight(layer, "w2_weight", down, "w2_weight", DOWN_SHARD, 5)
+    assert torch.equal(layer.w13_weight.data[5], torch.cat([gate, up]))
+    assert torch.equal(layer.w2_weight.data[5], down)
+    with pytest.raises(ValueError, match="shard_id"):
+        load_expert_weight(layer, "w2_weight", down, "w2_weight", "w4", 5)
 
 
 @pytest.mark.parametrize("touch", TOUCHES, ids=lambda t: f"{t.owner}.{t.attribute}")
@@ -67,3 +258,28 @@ def test_the_op_finds_its_layer_through_the_forward_context(vllm_layer_context) 
     runner = build_moe(None)
     with set_forward_context(None, vllm_layer_context):
         assert routed_experts_of(runner.routed_experts.layer_name) is runner.routed_experts
+
+
+# A fresh process: this one asked already (vllm_world). ARCH_GET_XCOMP_PERM = 0x1022 (syscall
+# arch_prctl, 158) reads the granted features; bit 18 is XFEATURE_XTILEDATA, AMX's tile data.
+_TILE_PERMISSION = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def granted():
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value & (1 << 18))
+before = granted()
+from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
+print(before, ask_for_amx_tiles(), granted())
+"""
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles: there is no permission to ask for"
+)
+def test_ask_for_amx_tiles_gets_the_tile_permission() -> None:
+    """What keeps vLLM's CPU kernels from dying of SIGILL under --enforce-eager (see
+    ask_for_amx_tiles): a process starts without tile permission and has it afterwards."""
+    out = subprocess.run([sys.executable, "-c", _TILE_PERMISSION], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out

@@ -31,6 +31,7 @@ import torch
 
 from vllm_kt_plugin.hybrid.forward import Forward, ForwardObserver
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
+from vllm_kt_plugin.hybrid.vllm_compat import DOWN_SHARD, GATE_SHARD, UP_SHARD, load_expert_weight
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -187,9 +188,9 @@ class DynamicExperts(ForwardObserver):
             native.create_weights(shadow, num_experts=n, **self.create_args)
             for row in range(n):  # the shadow's own ids (no expert map: check_layer_supported)
                 loaded = [
-                    shadow.weight_loader(shadow.w13_weight, w13[row, :width], "w13_weight", "w1", row, True),
-                    shadow.weight_loader(shadow.w13_weight, w13[row, width:], "w13_weight", "w3", row, True),
-                    shadow.weight_loader(shadow.w2_weight, w2[row], "w2_weight", "w2", row, True),
+                    load_expert_weight(shadow, "w13_weight", w13[row, :width], "w13_weight", GATE_SHARD, row),
+                    load_expert_weight(shadow, "w13_weight", w13[row, width:], "w13_weight", UP_SHARD, row),
+                    load_expert_weight(shadow, "w2_weight", w2[row], "w2_weight", DOWN_SHARD, row),
                 ]
                 if not all(loaded):
                     raise RuntimeError(f"{self.layer_name}: vLLM's loader took no weights for incoming row {row}")

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 
 from vllm_kt_plugin.hybrid.vllm_compat import (
     expert_map_set,
     fp8_backend_name,
     is_block_fp8,
+    is_unfinalized,
     kernel_chosen,
     unquantized_backend_name,
 )
@@ -132,7 +132,7 @@ class GPUExperts:
             shared_experts=None,
             shared_experts_input=None,
         )
-        if isinstance(out, UnfinalizedMoEOutput):
+        if is_unfinalized(out):
             raise RuntimeError(
                 f"{self.layer_name}: the native MoE kernel deferred its finalize; kt-hybrid needs its output"
             )

@@ -41,10 +41,14 @@ from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.hybrid.timeline import ON_DEMAND, PREFETCH, Timeline
 from vllm_kt_plugin.hybrid.vllm_compat import (
+    DOWN_SHARD,
+    GATE_SHARD,
+    UP_SHARD,
     block_fp8_method,
     can_rebuild_moe_kernel,
     expert_map_set,
     is_block_fp8,
+    load_expert_weight,
     parameters_swapped,
     rebuild_moe_kernel,
     set_expert_map,
@@ -236,17 +240,17 @@ class HostExperts:
         if self.fp8_copy:
             self._load_fp8(weight, shard_id, slot)
         else:
-            self.shadow.weight_loader(getattr(self.shadow, param_name), weight, weight_name, shard_id, slot)
+            load_expert_weight(self.shadow, param_name, weight, weight_name, shard_id, slot)
         self.loaded += 1
 
     def _load_fp8(self, weight: torch.Tensor, shard_id: str, slot: int) -> None:
         """A gate (w1), up (w3) or down (w2) matrix of one expert, whole (one tensor-parallel
         rank), quantized into the FP8 copy: w13 holds gate then up, each of its own blocks."""
         q, scale = quantize_block_fp8(weight)
-        target = "w2" if shard_id == "w2" else "w13"
+        target = "w2" if shard_id == DOWN_SHARD else "w13"
         rows = getattr(self.shadow, f"{target}_weight").data[slot]
         scales = getattr(self.shadow, f"{target}_weight_scale_inv").data[slot]
-        half = {"w1": 0, "w3": 1}.get(shard_id, 0)
+        half = {GATE_SHARD: 0, UP_SHARD: 1}.get(shard_id, 0)
         n, b = q.shape[0], scale.shape[0]
         if rows.shape[-1] != q.shape[1] or rows.shape[0] not in (n, 2 * n):
             raise ValueError(f"kt-hybrid FP8 copy: {shard_id} of shape {tuple(weight.shape)} does not fit {rows.shape}")

@@ -1,13 +1,15 @@
 """The MoE method of ``kt-hybrid``: what vLLM sees of a layer whose routed experts are
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
-vLLM builds it, loads its weights and calls ``apply``; each forward then reads as
-route -> pick a path -> run it, with observers told (``forward``). The paths, in the
-order they are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every
-expert on the GPU) and the CPU-experts path (``cpu_path``: submit the CPU experts -> run
-the GPU experts -> sync and add). Observers: the routing recorder and the metrics
-(``observers``), and dynamic GPU experts (``dynamic_experts``). What the layers of a
-process share lives in ``runtime``; vLLM internals we rely on, in ``vllm_compat``.
+vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route
+-> pick a path -> run it, with observers told (``forward``). The paths, in the order they
+are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every expert on
+the GPU) or, in its place, the split (``split_path``: a part of the CPU experts staged on
+the GPU per forward, the rest on the CPU), and the CPU-experts path (``cpu_path``: submit
+the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder
+and the metrics (``observers``), and dynamic GPU experts (``dynamic_experts``). What the
+layers of a process share lives in ``runtime``; vLLM internals we rely on, in
+``vllm_compat``.
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
+    ask_for_amx_tiles,
+    clamped_swiglu,
     fused_shared_experts,
+    layer_index,
+    lora_enabled,
     native_moe_quant_config,
     native_view,
+    prefill_context_parallel_size,
     routed_experts_of,
     set_local_num_experts,
+    wrap_expert_weight_loaders,
 )
 from vllm_kt_plugin.planning.placement import ExpertPlacement
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
@@ -84,16 +92,16 @@ def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
         problems.append(f"its experts use {moe.activation.value}; kt-kernel computes SiLU-gated experts only")
     if moe.has_bias:
         problems.append("its experts have biases, which kt-kernel does not support")
-    if layer.swiglu_limit is not None or layer.swiglu_alpha is not None:
+    if clamped_swiglu(layer):
         problems.append("its experts use a clamped/scaled SwiGLU, which kt-hybrid does not support")
     if layer.apply_router_weight_on_input:
         problems.append("it applies router weights on the input, which kt-hybrid does not support")
     parallel: FusedMoEParallelConfig = moe.moe_parallel_config
     if parallel.use_ep or parallel.enable_eplb:
         problems.append("expert parallelism / EPLB is enabled; kt-hybrid places experts itself")
-    if parallel.dp_size > 1 or parallel.pcp_size > 1:
+    if parallel.dp_size > 1 or prefill_context_parallel_size(parallel) > 1:
         problems.append("data or prefill-context parallelism is enabled, which kt-hybrid does not support")
-    if moe.is_lora_enabled:
+    if lora_enabled(moe):
         problems.append("LoRA is enabled, which kt-hybrid does not support on MoE layers")
     if fused_shared_experts(layer):
         problems.append("shared experts are fused into the routed experts (ROCm AITER)")
@@ -121,19 +129,13 @@ def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     return tuple(sorted(compilation.cudagraph_capture_sizes or ()))
 
 
-def layer_idx_of(prefix: str) -> int:
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return extract_layer_index(prefix)
-
-
 def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, chunk: int) -> LayerSpec:
     vllm_config = get_current_vllm_config()
     model_config = vllm_config.model_config
     moe = layer.moe_config
     return LayerSpec(
         layer_name=prefix,
-        layer_idx=layer_idx_of(prefix),
+        layer_idx=layer_index(prefix),
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=moe.hidden_dim,
@@ -159,12 +161,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         moe = layer.moe_config
         super().__init__(moe)
         check_layer_supported(layer, moe)
+        # This process will forward the layer: AMX tiles first, or vLLM's CPU kernels die of
+        # SIGILL with --enforce-eager on AMX CPUs (vllm_compat.ask_for_amx_tiles says why).
+        ask_for_amx_tiles()
         settings = context.settings
         vllm_config = get_current_vllm_config()
         chunk = settings.resolve_chunked_prefill_size(vllm_config.scheduler_config.max_num_batched_tokens)
 
         self.layer_name = prefix
-        self.layer_idx = layer_idx_of(prefix)
+        self.layer_idx = layer_index(prefix)
         self.settings = settings
         self.context = context
         self.placement = context.plan.placement_for(self.layer_idx, layer.global_num_experts)
@@ -285,10 +290,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             path.create_weights(layer, dict(self._create_args))
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
-        for name, param in layer.named_parameters(recurse=False):
-            loader = getattr(param, "weight_loader", None)
-            if name not in existing and loader is not None:
-                param.weight_loader = self._expert_weight_loader(layer, loader, name)
+        new = {name for name, _ in layer.named_parameters(recurse=False)} - existing
+        wrap_expert_weight_loaders(layer, new, functools.partial(self._expert_weight_loader, layer))
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -326,7 +329,6 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             with native_view(layer, native):
                 return native_loader(param, loaded_weight, weight_name, shard_id, slot, return_success)
 
-        weight_loader.supports_moe_loading = True  # type: ignore[attr-defined]
         return weight_loader
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:

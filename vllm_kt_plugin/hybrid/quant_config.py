@@ -17,7 +17,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.hybrid import serve_checks
-from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name
+from vllm_kt_plugin.hybrid.vllm_compat import parallel_place, pipeline_stage_layers, resolve_native_method_name
 from vllm_kt_plugin.planning.layer_plan import LayerPlan
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
@@ -39,17 +39,10 @@ QUANT_NAME = "kt-hybrid"
 def current_host_share() -> HostShare:
     """This process's place among its host's kt-kernel processes, from vLLM's parallel
     groups (in a worker); one process where they do not exist yet (the front end)."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
+    place = parallel_place()
+    if place is None:
         return ALONE
-    pipeline = parallel_state.get_pp_group()
-    return host_share(
-        pipeline.world_size,
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_node_count(),
-        pipeline.rank_in_group,
-    )
+    return host_share(place.pipeline_stages, place.tensor_parallel_size, place.nodes, place.pipeline_rank)
 
 
 @contextlib.contextmanager
@@ -81,7 +74,7 @@ class KTHybridConfig(QuantizationConfig):
         self.checkpoint = checkpoint or CheckpointFormat()
         with _logged_config_errors():
             self.settings, self.backend = serve_checks.validated(settings or load_settings(), self.checkpoint)
-        self.layer_plan = LayerPlan(self.settings)
+        self.layer_plan = LayerPlan(self.settings, stage_layers=pipeline_stage_layers)
         logger.info("kt-hybrid: native method %s; %s", self.native_name, self.settings.describe())
 
     @functools.cached_property

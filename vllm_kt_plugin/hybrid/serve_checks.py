@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kt_plugin.architectures import check_architecture
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
-from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name
+from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name, routed_expert_counts
 from vllm_kt_plugin.planning.layer_plan import check_plan
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
@@ -55,18 +55,6 @@ def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSet
     return settings, backend
 
 
-def routed_experts(hf_config: Any) -> tuple[int, int]:
-    """(routed experts per layer, experts per token) as vLLM reads them for the model."""
-    from vllm.transformers_utils.model_arch_config_convertor import (
-        MODEL_ARCH_CONFIG_CONVERTORS,
-        ModelArchConfigConvertorBase,
-    )
-
-    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase)
-    convertor = convertor_cls(hf_config, hf_config.get_text_config())
-    return convertor.get_num_experts(), convertor.get_num_experts_per_token()
-
-
 def platform_has_gpu() -> bool:
     """Whether vLLM's platform here is a GPU one (vLLM's CPU build: no), read without
     initializing CUDA (the API-server process must not)."""
@@ -82,7 +70,7 @@ def check_model(
     sizes the backend needs. Raises KTConfigError; returns warnings (one line each)."""
     config = hf_config.to_dict()
     check_architecture(config)
-    num_experts, top_k = routed_experts(hf_config)
+    num_experts, top_k = routed_expert_counts(hf_config)
     settings.check_model(num_experts, top_k)
     sized_to_gpu = settings.gpu_experts_auto and settings.gpu_memory_gb is None
     if sized_to_gpu and not (platform_has_gpu() if has_gpu is None else has_gpu):

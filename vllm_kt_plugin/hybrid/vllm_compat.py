@@ -4,23 +4,33 @@
 Each function says which behaviour of vLLM 0.32.0 it relies on. ``TOUCHES`` lists the
 attributes read or written here; ``tests/unit/test_vllm_compat.py`` checks each one on the
 installed vLLM, so that an upgrade that renames one fails there, loudly, and not in the
-middle of a forward.
+middle of a forward. Outside this module the package uses only vLLM's public interfaces,
+the ones on the allow-lists of ``tests/unit/test_layout.py`` (imports) and
+``tests/unit/test_vllm_compat.py`` (attributes of vLLM's objects); both tests fail on any
+other vLLM import or attribute.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
+
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+logger = logging.getLogger(LOGGER_NAME)
 
 VLLM_VERSION = "0.32.0"  # the version whose behaviour every touch below was read from
 
@@ -134,6 +144,109 @@ TOUCHES: tuple[Touch, ...] = (
         "instance",
         "the experts kernel class chosen in __init__ with fp8_backend (kernel_chosen)",
     ),
+    Touch(
+        "vllm.ray.ray_env",
+        "DEFAULT_ENV_VAR_PREFIXES",
+        "owner",
+        "a set of prefixes whose variables vLLM's Ray executor copies to its workers (VLLM_ among them)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.moe_output",
+        "UnfinalizedMoEOutput",
+        "owner",
+        "what a modular kernel's apply returns when it defers its finalize (instead of the output tensor)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+        "weight_loader",
+        "owner",
+        "called positionally (param, loaded_weight, weight_name, shard_id, expert_id, return_success), shard ids "
+        "w1/w3/w2, marked supports_moe_loading; each expert parameter carries it as its weight_loader",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+        "swiglu_limit",
+        "instance",
+        "not None for a clamped SwiGLU (gpt-oss), which kt-kernel does not compute",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+        "swiglu_alpha",
+        "instance",
+        "not None for a scaled SwiGLU (gpt-oss), which kt-kernel does not compute",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig",
+        "is_lora_enabled",
+        "instance",
+        "True where LoRA adapters reach the MoE layer, which kt-hybrid does not support",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig",
+        "pcp_size",
+        "instance",
+        "prefill-context parallelism's size (1 = off), which kt-hybrid does not support",
+    ),
+    Touch(
+        "vllm.model_executor.models.utils",
+        "extract_layer_index",
+        "owner",
+        "a module prefix's decoder layer index (model.layers.7.mlp.experts -> 7), as models number their layers",
+    ),
+    Touch(
+        "vllm.distributed.parallel_state",
+        "get_pp_group",
+        "owner",
+        "the pipeline group (world_size, rank_in_group) of this worker, once model parallelism is initialized",
+    ),
+    Touch(
+        "vllm.distributed.parallel_state",
+        "model_parallel_is_initialized",
+        "owner",
+        "False in the front end, where no parallel group exists yet",
+    ),
+    Touch(
+        "vllm.distributed.parallel_state",
+        "get_tensor_model_parallel_world_size",
+        "owner",
+        "this worker's tensor-parallel size",
+    ),
+    Touch(
+        "vllm.distributed.parallel_state",
+        "get_node_count",
+        "owner",
+        "the hosts the engine's workers span",
+    ),
+    Touch(
+        "vllm.distributed.utils",
+        "get_pp_indices",
+        "owner",
+        "(start, end) of the decoder layers make_layers builds in a pipeline stage (VLLM_PP_LAYER_PARTITION)",
+    ),
+    Touch(
+        "vllm.transformers_utils.model_arch_config_convertor",
+        "MODEL_ARCH_CONFIG_CONVERTORS",
+        "owner",
+        "model_type -> the convertor that reads a model's expert counts as vLLM does (the base class else)",
+    ),
+    Touch(
+        "vllm.transformers_utils.model_arch_config_convertor",
+        "ModelArchConfigConvertorBase",
+        "owner",
+        "(hf_config, text_config) -> get_num_experts(), get_num_experts_per_token()",
+    ),
+    Touch(
+        "torch.cpu",
+        "_is_amx_tile_supported",
+        "owner",
+        "whether the CPU has AMX tiles, as vLLM's CPU build itself asks (its kernels' ISA choice)",
+    ),
+    Touch(
+        "torch.cpu",
+        "_init_amx",
+        "owner",
+        "asks Linux for AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's CPU kernels do not",
+    ),
 )
 
 
@@ -158,6 +271,78 @@ def resolve_native_method_name(hf_quant_cfg: dict[str, Any]) -> str:
     if not name:
         raise ValueError(f"cannot tell the quantization method of {hf_quant_cfg!r}")
     return str(name)
+
+
+def let_ray_workers_inherit(prefix: str) -> None:
+    """Variables named ``prefix*`` travel to Ray workers as vLLM's own VLLM_* do: vLLM 0.32's
+    Ray executor copies the driver's variables by the prefixes in ``DEFAULT_ENV_VAR_PREFIXES``
+    (a worker on another host would otherwise start with none of them)."""
+    from vllm.ray.ray_env import DEFAULT_ENV_VAR_PREFIXES
+
+    DEFAULT_ENV_VAR_PREFIXES.add(prefix)
+
+
+def routed_expert_counts(hf_config: Any) -> tuple[int, int]:
+    """(routed experts per layer, experts per token) as vLLM 0.32 reads them for the model:
+    through the convertor registered for its ``model_type`` (the base convertor else)."""
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+
+    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase)
+    convertor = convertor_cls(hf_config, hf_config.get_text_config())
+    return convertor.get_num_experts(), convertor.get_num_experts_per_token()
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer index in a module prefix (``model.layers.7.mlp.experts`` -> 7),
+    as vLLM's models number their layers."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(prefix)
+
+
+# --- parallel groups ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelPlace:
+    """This worker's place in vLLM's parallel groups."""
+
+    pipeline_stages: int
+    pipeline_rank: int
+    tensor_parallel_size: int
+    nodes: int
+
+
+def parallel_place() -> ParallelPlace | None:
+    """This worker's place; None where vLLM's model-parallel groups do not exist (the front
+    end, before any worker)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    pipeline = parallel_state.get_pp_group()
+    return ParallelPlace(
+        pipeline_stages=pipeline.world_size,
+        pipeline_rank=pipeline.rank_in_group,
+        tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        nodes=parallel_state.get_node_count(),
+    )
+
+
+def pipeline_stage_layers(num_layers: int, stages: int) -> range | None:
+    """The decoder layers this worker's pipeline stage builds (of ``num_layers``, in
+    ``stages`` stages), as vLLM 0.32's ``make_layers`` splits them; None with one stage or
+    outside a worker."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.utils import get_pp_indices
+
+    if stages == 1 or not parallel_state.model_parallel_is_initialized():
+        return None
+    start, end = get_pp_indices(num_layers, parallel_state.get_pp_group().rank_in_group, stages)
+    return range(start, end)
 
 
 # --- the layer's expert count and quant method --------------------------------------------
@@ -193,6 +378,52 @@ def native_view(layer: RoutedExperts, native: FusedMoEMethodBase) -> Iterator[No
 def fused_shared_experts(layer: RoutedExperts) -> int:
     """Shared experts fused into the routed ones (ROCm AITER), which we cannot split."""
     return int(layer.expert_map_manager.num_fused_shared_experts)
+
+
+def clamped_swiglu(layer: RoutedExperts) -> bool:
+    """Whether the experts use a clamped or scaled SwiGLU (gpt-oss: vLLM 0.32 keeps its
+    ``swiglu_limit`` and ``swiglu_alpha`` on the layer)."""
+    return layer.swiglu_limit is not None or layer.swiglu_alpha is not None
+
+
+def lora_enabled(moe: FusedMoEConfig) -> bool:
+    """Whether LoRA adapters reach the MoE layer (vLLM 0.32: ``FusedMoEConfig.is_lora_enabled``)."""
+    return bool(moe.is_lora_enabled)
+
+
+def prefill_context_parallel_size(parallel: FusedMoEParallelConfig) -> int:
+    """Prefill-context parallelism's size, 1 when off (vLLM 0.32: ``pcp_size``)."""
+    return int(parallel.pcp_size)
+
+
+# --- loading expert weights ------------------------------------------------------------------
+
+# vLLM 0.32's expert shard ids: ``w13_weight`` holds w1 (gate) then w3 (up) of each expert,
+# ``w2_weight`` its w2 (down); its loader refuses any other id.
+GATE_SHARD, UP_SHARD, DOWN_SHARD = "w1", "w3", "w2"
+
+
+def load_expert_weight(
+    layer: RoutedExperts, param_name: str, weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
+) -> bool:
+    """One expert's checkpoint tensor into ``layer``'s parameter ``param_name`` through vLLM's
+    expert loader, as a model's ``load_weights`` calls it; whether it took the tensor."""
+    return bool(layer.weight_loader(getattr(layer, param_name), weight, weight_name, shard_id, expert_id, True))
+
+
+def wrap_expert_weight_loaders(
+    layer: RoutedExperts, new: Iterable[str], wrap: Callable[[Callable[..., Any], str], Callable[..., Any]]
+) -> None:
+    """The parameters named in ``new`` load through ``wrap(their loader, name)``: vLLM 0.32's
+    models load each checkpoint tensor through its parameter's ``weight_loader`` attribute
+    (the layer's ``weight_loader``, or a method's own), called as the layer's is (see
+    ``load_expert_weight``); the mark ``supports_moe_loading`` is what vLLM's own carries."""
+    for name, param in layer.named_parameters(recurse=False):
+        loader = getattr(param, "weight_loader", None)
+        if name in new and loader is not None:
+            wrapped = wrap(loader, name)
+            wrapped.supports_moe_loading = True  # type: ignore[attr-defined]
+            param.weight_loader = wrapped  # type: ignore[attr-defined]
 
 
 # --- expert maps ------------------------------------------------------------------------
@@ -272,6 +503,37 @@ def cpu_runs_block_fp8_moe() -> bool:
     """Whether vLLM 0.32's CPU build can run block-FP8 MoE here: its CPUExpertsFp8 kernel
     needs AMX tiles (asked through torch's private probe, the one vLLM's CPU build uses)."""
     return bool(torch.cpu._is_amx_tile_supported())  # type: ignore[attr-defined]
+
+
+@functools.cache
+def ask_for_amx_tiles() -> bool:
+    """Ask Linux once per process for AMX tile permission (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, through torch's private wrapper); whether tiles may be used.
+
+    Why: on an AMX CPU, vLLM 0.32's CPU build runs AMX instructions in its kernels (its
+    attention, ``cpu_attention_with_kv_cache``, and its MoE kernels) without asking first.
+    Under torch.compile an earlier oneDNN matmul happens to ask; with ``--enforce-eager``
+    nothing does, and the worker dies of SIGILL (exit code -4) at the first request, plain
+    vLLM too (``tests/engine/test_serving_e2e.py::test_enforce_eager_serves_on_amx``).
+    kt-kernel asks only from its own threads at their first forward. So every process that
+    builds a kt-hybrid layer asks here, before its first forward. A no-op without AMX."""
+    if not torch.cpu._is_amx_tile_supported():  # type: ignore[attr-defined]
+        return False
+    granted = bool(torch.cpu._init_amx())  # type: ignore[attr-defined]
+    if not granted:
+        logger.warning(
+            "kt-hybrid: Linux refused AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM needs kernel >= 5.16); "
+            "vLLM's CPU kernels may die of SIGILL with --enforce-eager"
+        )
+    return granted
+
+
+def is_unfinalized(out: object) -> bool:
+    """Whether a native method's ``apply`` deferred its finalize (vLLM 0.32's modular
+    kernels may return an ``UnfinalizedMoEOutput`` instead of the output tensor)."""
+    from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
+
+    return isinstance(out, UnfinalizedMoEOutput)
 
 
 def fp8_backend_name(native: FusedMoEMethodBase) -> str | None:

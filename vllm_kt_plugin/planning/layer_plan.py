@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vllm_kt_plugin.planning.gpu_budget import (
@@ -62,12 +62,23 @@ def check_plan(settings: KTSettings, hf_config: Mapping[str, Any], num_experts: 
         plan_placements_from_settings(settings, layers, num_experts, 0)  # loads and checks the profile
 
 
+# (decoder layers, pipeline stages) -> the layers this worker's stage builds; None: all of them
+StageLayers = Callable[[int, int], "range | None"]
+
+
+def _whole_model(num_layers: int, stages: int) -> range | None:
+    return None
+
+
 class LayerPlan:
     """Per-layer placements, computed on the first layer vLLM builds (in the worker, where
-    the device and vLLM's memory settings are known)."""
+    the device and vLLM's memory settings are known). ``stage_layers`` tells a pipeline
+    stage its layers (``hybrid.vllm_compat.pipeline_stage_layers``: vLLM's parallel groups
+    are reached from there, not from planning)."""
 
-    def __init__(self, settings: KTSettings) -> None:
+    def __init__(self, settings: KTSettings, stage_layers: StageLayers = _whole_model) -> None:
         self.settings = settings
+        self.stage_layers = stage_layers
         self.placements: dict[int, ExpertPlacement] | None = None
         self.num_gpu_experts = 0
         # Why KT_GPU_PREFILL_MIN_TOKENS=auto stays off (None: it may turn on), once planned.
@@ -104,7 +115,7 @@ class LayerPlan:
         vllm_config = get_current_vllm_config()
         memory = model_memory(self.settings, vllm_config.model_config.hf_config.to_dict())
         if memory is not None:
-            memory = _this_stage(memory, vllm_config)
+            memory = _this_stage(memory, vllm_config, self.stage_layers)
         if memory is None:  # model_memory refused auto and front-loading already
             fixed = fixed_num_gpu_experts(self.settings, num_experts)
             assert fixed is not None
@@ -142,18 +153,12 @@ class LayerPlan:
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)
 
 
-def _this_stage(memory: ModelMemory, vllm_config: Any) -> ModelMemory:
+def _this_stage(memory: ModelMemory, vllm_config: Any, stage_layers: StageLayers) -> ModelMemory:
     """With pipeline parallelism, the share of the stage this worker builds: its GPU
     holds only its own layers, so ``auto`` sizes their experts to it."""
-    from vllm.distributed import parallel_state
-    from vllm.distributed.utils import get_pp_indices
-
-    stages = vllm_config.parallel_config.pipeline_parallel_size
-    if stages == 1 or not parallel_state.model_parallel_is_initialized():
-        return memory
     num_layers = vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
-    start, end = get_pp_indices(num_layers, parallel_state.get_pp_group().rank_in_group, stages)
-    return memory.stage(range(start, end), num_layers)
+    layers = stage_layers(num_layers, vllm_config.parallel_config.pipeline_parallel_size)
+    return memory if layers is None else memory.stage(layers, num_layers)
 
 
 def _ram_available_bytes() -> int:
