@@ -20,13 +20,14 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch."""
+    """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch
+    (``quantizable=True``: its variant with every linear width a multiple of 128)."""
     from vllm_kt_tools.support.tiny_models import tiny_model_dir
 
     root = _cache_root(tmp_path_factory)
 
-    def get(arch: str) -> Path:
-        return tiny_model_dir(arch, root)
+    def get(arch: str, *, quantizable: bool = False) -> Path:
+        return tiny_model_dir(arch, root, quantizable=quantizable)
 
     return get
 

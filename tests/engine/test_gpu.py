@@ -222,9 +222,8 @@ def test_fp8_copy_drift_within_the_cpu_methods_drift(tiny_model, tmp_path, arch:
     import json
 
     from vllm_kt_plugin.settings.staging import FP8_COPY_AUTO_METHODS
-    from vllm_kt_tools.support.tiny_models import tiny_model_dir
 
-    model = tiny_model_dir(arch, tiny_model(arch).parent, quantizable=True) if wide else tiny_model(arch)
+    model = tiny_model(arch, quantizable=wide)
     experts = json.loads((model / "config.json").read_text())
     half = str((experts.get("num_experts") or experts.get("num_local_experts") or experts["n_routed_experts"]) // 2)
     prompts = PROMPTS + [long_prompt(model, 180)]
