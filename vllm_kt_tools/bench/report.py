@@ -9,6 +9,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+# The kernel sweep's rate of bare kt-kernel through all layers (bench/kernel_sweep.py), and
+# its name in JSON files before 2026-12-07, when it was misread as a bound
+KERNEL_ALONE_KEY = "kernel_alone_tok_s"
+OLD_KERNEL_ALONE_KEY = "decode_bound_tok_s"
+
+
+def kernel_alone_tok_s(timing: dict[str, Any]) -> float | None:
+    """One kernel-sweep entry's rate, under its name of any sitting."""
+    return timing.get(KERNEL_ALONE_KEY, timing.get(OLD_KERNEL_ALONE_KEY))
+
 
 def write_chart(report: dict[str, Any], path: Path) -> bool:
     try:
