@@ -22,7 +22,8 @@
 # and once, at a quiet moment of the sitting (installing is ~10 GB of files: never beside a timed run):
 #     bash .sglbundle/install-part.sh --install [WAIT_S]  # waits up to WAIT_S (0) for missing parts,
 #                                                   # verifies, unpacks, installs into /root/sglsite
-# then `export SGLANG_PYTHON=/root/sglsite/python` and check it: benchmarks/sglang-check.sh.
+# then check it there: `/root/sglsite/python -m vllm_kt_tools.bench.sglang_check` (run_h200.sh's stages
+# sglang-install and sglang-check do both; docs/benchmarks.md, *sglang-kt*).
 set -euo pipefail
 PART_MIB=${PART_MIB:-56}
 CACHE=${SGLBUNDLE_CACHE:-$HOME/.cache/sglbundle/full}
@@ -59,6 +60,7 @@ n=$(ls "$OUT"/part* | wc -l)
   echo "sha256=$(cat "$OUT"/part* | sha256sum | cut -d' ' -f1)"
   echo "wheels=$(ls "$STAGE"/wheels | wc -l)"
 } > "$OUT/MANIFEST"
+cp "$STAGE/check.json" "$OUT/check.json"  # the check's verdict, for the record (not carried)
 cat > "$OUT/install-part.sh" << 'INSTALL'
 #!/usr/bin/env bash
 # GPU-host side of benchmarks/sglang-bundle.sh. Without arguments: keep the parts this call
