@@ -91,3 +91,9 @@ def test_every_sitting_records_the_bandwidth_and_its_limit(monkeypatch: pytest.M
         0
     ] == f"| memory-bandwidth limit, AMXINT4 (200 GB/s read) | — | {bs1:.1f} tok/s | {bs16:.1f} tok/s |" + (" — |" * 4)
     assert rows[2].startswith("| bare kt-kernel alone, AMXINT4 (kernel sweep) | — | 44.8 tok/s | 68.5 tok/s |")
+    # the chart draws them over the decode panels only
+    from vllm_kt_tools.bench.report import _decode_limits
+
+    report = {"decode_limit": limits}
+    assert _decode_limits(report, "decode_bs16_tok_s")[0] == ("AMXINT4", bs16)
+    assert _decode_limits(report, "prefill_long_tok_s") == []
