@@ -53,6 +53,7 @@ def test_decode_limit_reads_the_distinct_cpu_experts_of_a_step() -> None:
     assert limit["bs16"]["distinct_cpu_experts_per_layer"] == pytest.approx(61.17, abs=0.01)
     assert limit["bs16"]["tok_s"] == pytest.approx(16 * 100e9 / (48 * 61.17 * per_expert), rel=1e-3)
     assert decode_limit(100.0, "LLAMAFILE", 2048, 768, 48, 128, 8, 33) is None  # a format it does not know
+    assert decode_limit(100.0, "BF16", 128, 64, 3, 8, 2, gpu_experts=8) is None  # every expert on the GPU
 
 
 def test_every_sitting_records_the_bandwidth_and_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,11 +84,12 @@ def decode_limit(
     read_gb_s: float, method: str, hidden: int, inter: int, layers: int, experts: int, top_k: int, gpu_experts: int
 ) -> dict[str, Any] | None:
     """Tokens per second no decode at batch 1 and 16 can exceed on this host: the batch over
-    the time to read one step's distinct CPU experts at ``read_gb_s``."""
+    the time to read one step's distinct CPU experts at ``read_gb_s``; None for a format this
+    does not know or a placement with every expert on the GPU."""
     per_expert = expert_bytes(method, hidden, inter)
-    if per_expert is None or read_gb_s <= 0:
-        return None
     cpu_experts = experts - gpu_experts
+    if per_expert is None or read_gb_s <= 0 or cpu_experts <= 0:  # no CPU expert: nothing read from host memory
+        return None
     limit: dict[str, Any] = {
         "method": method,
         "read_gb_s": read_gb_s,
