@@ -38,13 +38,22 @@
 #   server-engine the engine workload (decode at batch 1 and 16, 8 x 1,024, one 16K prompt) through each of
 #                 SERVER_ENGINE_SYSTEMS' servers (kt-hybrid behind `vllm serve`, sglang-kt behind its own under
 #                 SGLANG_PYTHON): sglang-kt's only way to those figures -> SERVER_ENGINE_JSON
+#   sglang-install  installs sglang-kt's package set from the parts carried so far (bash .sglbundle/install-part.sh
+#                 per part, which only stores them): waits up to SGLANG_WAIT_S for the last, verifies, unpacks and
+#                 installs into /root/sglsite (~10 GB of files: a quiet moment, never beside a timed stage)
+#   sglang-check  imports what sglang-kt's server imports under SGLANG_PYTHON, loads sgl_kernel's sm90 ops, prints
+#                 the versions (vllm_kt_tools/bench/sglang_check.py); on failure its one line goes to stages.log and
+#                 the later stages of this BENCH_OUT drop sglang-kt from their systems (sglang-check.failed)
 #   fp8-bench     the block-FP8 checkpoint (FP8_LAYERS layers, FP8_GPU_WEIGHT_GB): FP8_SYSTEMS,
 #                 FP8_BENCH_ARGS added; DeepGEMM's warm-up skipped (FP8_DEEP_GEMM_WARMUP, see below)
 #   prefill-test  GPU prefill with kt-kernel's BF16 write-back, on against off (test_gpu.py)
 # The lent host goes back after ~30 s without a command (a second sitting of 2026-12-04 lost its
 # first 9 minutes so): poll with commands that wait on the host (`sleep 120; tail ...`), back to back.
 # BENCH_ARGS: extra arguments for every `vllm-kt bench` (BENCH_RUN_ARGS: the bench stage's only). Everything goes to $BENCH_OUT;
-# stages.log says when each stage started and ended, DONE marks the end. The host can be
+# stages.log says when each stage started and ended, DONE marks the end. Before each stage the GPU's memory
+# must have come back (at most 2 GiB in use, nvidia-smi): a stage that starts beside leftovers gets a "GPU not
+# free" line naming them; the bench itself stops, naming them, before any system would start beside them, and stops the whole
+# process group of every system it started when it ends or is stopped (SIGTERM/SIGINT). The host can be
 # taken back mid-sitting: let every poll copy $BENCH_OUT's JSON and logs to $OUT, and finish
 # a cut sitting later with the missing systems and --append. Block-FP8 engines JIT-compile
 # ~800 DeepGEMM kernels at their first start on a host (2-3 minutes; cached after) with
@@ -74,11 +83,48 @@ BENCH=(python3 -m vllm_kt_tools.cli.main bench --shape qwen3-30b-a3b --gpu-weigh
 # Every engine or load sitting times bare kt-kernel first (--kernel-sweep): host speed beside its figures
 SWEEP=(--kernel-sweep)
 [ "${KERNEL_SWEEP:-1}" = 0 ] && SWEEP=()
-# SGLANG_SWEEP=1: sglang-kt's default sweep points; SGLANG_SWEEP=T:D[,T:D]: these, in this order
+# SGLANG_SWEEP=1: sglang-kt's points documented,mirror (docs/benchmarks.md); SGLANG_SWEEP=NAME|T:D[,...]: these, in order
 SGLANG=()
 [ -n "${SGLANG_SWEEP:-}" ] && SGLANG=(--sglang-sweep) && [ "$SGLANG_SWEEP" != 1 ] && SGLANG+=("$SGLANG_SWEEP")
 FP8=("${BENCH[@]}" --checkpoint fp8-block --gpu-weight-gb "${FP8_GPU_WEIGHT_GB:-9}" --layers "${FP8_LAYERS:-0}"
      --skip-layer --out "$BENCH_OUT/h200_fp8_qwen3_30b_a3b.json")
+
+export SGLANG_PYTHON=${SGLANG_PYTHON:-/root/sglsite/python}  # sglang-kt's own interpreter (sglang-install)
+SGLANG_FAILED=$BENCH_OUT/sglang-check.failed  # written by the sglang-check stage: sglang-kt cannot run here
+
+without_sglang() {  # $1: a comma list of systems; sglang-kt left out where its check failed on this host
+  local systems=$1
+  if [ -f "$SGLANG_FAILED" ] && [[ ",$systems," == *",sglang-kt,"* ]]; then
+    systems=$(echo ",$systems," | sed 's/,sglang-kt,/,/; s/^,//; s/,$//')
+    stage "sglang-kt left out of $1: $(cat "$SGLANG_FAILED")" >&2
+  fi
+  echo "$systems"
+}
+
+run_sglang_install() {  # the installer travels with the parts; install-part.sh keeps a copy by them
+  local installer=${SGLBUNDLE_INSTALLER:-.sglbundle/install-part.sh}
+  [ -f "$installer" ] || installer=/root/sglbundle/install-part.sh
+  bash "$installer" --install "${SGLANG_WAIT_S:-600}" > "$BENCH_OUT/sglang-install.log" 2>&1
+  local status=$?
+  stage "sglang-install: $(tail -1 "$BENCH_OUT/sglang-install.log")"
+  return $status
+}
+
+run_sglang_check() {
+  if [ -x "$SGLANG_PYTHON" ]; then
+    "$SGLANG_PYTHON" -m vllm_kt_tools.bench.sglang_check > "$BENCH_OUT/sglang-check.log" 2>&1
+  else
+    echo "[sglang-check] FAILED install: no $SGLANG_PYTHON (STAGES=sglang-install, after carrying .sglbundle/)" \
+        > "$BENCH_OUT/sglang-check.log"
+    false
+  fi
+  local status=$?
+  local verdict
+  verdict=$(grep '^\[sglang-check\]' "$BENCH_OUT/sglang-check.log" | tail -1)
+  stage "${verdict:-[sglang-check] FAILED: no verdict (see sglang-check.log)}"
+  if [ $status = 0 ]; then rm -f "$SGLANG_FAILED"; else echo "${verdict:-no verdict}" > "$SGLANG_FAILED"; fi
+  return $status
+}
 
 run_prepare() {  # no CUDA context: it would count against an engine profiling meanwhile
   CUDA_VISIBLE_DEVICES= "${BENCH[@]}" --systems kt-hybrid --methods "${METHODS:-AMXINT4,AMXINT8}" --prepare-only \
@@ -163,7 +209,9 @@ run_peers() {
 
 run_load() {  # every system the same load (OFFLOAD_LOAD=N:C gives vLLM's offloaders a shorter one, recorded)
   # shellcheck disable=SC2086 - OFFLOAD_LOAD adds its flag where set
-  "${BENCH[@]}" --methods AMXINT4 --systems "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}" \
+  local systems
+  systems=$(without_sglang "${LOAD_SYSTEMS:-vllm-gpu,vllm-offload,kt-hybrid}")
+  "${BENCH[@]}" --methods AMXINT4 --systems "$systems" \
       --prefetch-sweep "${PREFETCH_POINT:-48:1}" "${SGLANG[@]}" "${SWEEP[@]}" \
       --load 1000:64 ${OFFLOAD_LOAD:+--offload-load $OFFLOAD_LOAD} \
       --load-input-len 128 --load-output-len 16 \
@@ -171,12 +219,14 @@ run_load() {  # every system the same load (OFFLOAD_LOAD=N:C gives vLLM's offloa
 }
 
 run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head to head's decode and prefills
-  if [ -n "${SGLANG_PYTHON:-}" ]; then  # its package set may still be arriving, carried beside the stages before
+  local systems
+  systems=$(without_sglang "${SERVER_ENGINE_SYSTEMS:-kt-hybrid,sglang-kt}")
+  if [[ ",$systems," == *",sglang-kt,"* ]] && [ ! -f "$BENCH_OUT/sglang-check.log" ]; then  # no check: wait for it
     for _ in $(seq "${SGLANG_WAIT_S:-600}"); do [ -x "$SGLANG_PYTHON" ] && break; sleep 1; done
   fi
   # SERVER_LOAD=N:C: then the load against each server measured; SERVER_ENGINE_ARGS: e.g. --append
   # shellcheck disable=SC2086 - SERVER_ENGINE_ARGS is a list of arguments
-  "${BENCH[@]}" --methods AMXINT4 --systems "${SERVER_ENGINE_SYSTEMS:-kt-hybrid,sglang-kt}" --server-engine \
+  "${BENCH[@]}" --methods AMXINT4 --systems "$systems" --server-engine \
       "${SGLANG[@]}" "${SWEEP[@]}" ${SERVER_LOAD:+--load $SERVER_LOAD} ${SERVER_ENGINE_ARGS:-} \
       --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" >> "$BENCH_OUT/server-engine.log" 2>&1
 }
@@ -215,6 +265,8 @@ for entry in $STAGES; do
   if [ "$entry" != "$name" ]; then
     ( stage "$name (background)"; "$fn"; stage "$name exit $?" ) &
   else
+    gpu=$(python3 -m vllm_kt_tools.support.gpu_memory --wait "${GPU_FREE_WAIT_S:-30}" 2>&1 | tail -1)
+    [ "$gpu" = free ] || stage "GPU not free before $name: $gpu"
     stage "$name"; "$fn"; stage "$name exit $?"
   fi
 done

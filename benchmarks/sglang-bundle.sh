@@ -1,94 +1,106 @@
 #!/usr/bin/env bash
 # Build sglang-kt 0.7.2's package set (KTransformers' SGLang fork, the `sglang-kt` peer of
-# `vllm-kt bench`, issue 27) for an offline CUDA / Python 3.12 GPU host, in parts small enough
-# to carry one at a time, like ../shared/gpu-host/build-bundle.sh does for vLLM. It lives apart
-# from vLLM's set: sglang-kt pins torch 2.9.1 (CUDA 12.8 wheels and their nvidia-*-cu12 libs),
-# vLLM 0.32 torch 2.13. Run from the root of a git checkout; output goes to .sglbundle/
-# (added to .git/info/exclude). Wheels are cached in $SGLBUNDLE_CACHE (one exists on the dev
-# box: ~/.cache/sglbundle/full, 4.8 GB, 177 wheels).
+# `vllm-kt bench`) for the offline CUDA / Python 3.12 GPU host, in parts small enough to carry
+# one per call, like ../shared/gpu-host/build-bundle.sh does for vLLM. It lives apart from
+# vLLM's set: sglang-kt pins torch 2.9.1 (CUDA 12.8 wheels and their nvidia-*-cu12 libs), vLLM
+# 0.32 torch 2.13. Run from the root of a git checkout; output goes to .sglbundle/ (added to
+# .git/info/exclude).
 #
-# On the GPU host, for every part in turn (same machine, back to back):
-#     bash .sglbundle/install-part.sh       # with .sglbundle/{install-part.sh,MANIFEST,partNN}
-# The call that brings the last part installs everything into /root/sglsite and writes
-# /root/sglsite/python, the interpreter to give the bench:  export SGLANG_PYTHON=/root/sglsite/python
+# The set is `ktransformers[sglang]==0.7.2`, not `sglang-kt` alone: only the ktransformers
+# wheel carries sgl_kernel/sm90/common_ops.abi3.so (what sgl_kernel loads on an H100) and the
+# fifth payload module. Its wheels are cached in $SGLBUNDLE_CACHE (~/.cache/sglbundle/full):
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_35_x86_64 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d ~/.cache/sglbundle/full \
+#       'ktransformers[sglang]==0.7.2'
+# vllm_kt_tools/bench/sglang_bundle.py leaves out the wheels it names (TRIMMED, each with its
+# reason) and checks the rest before anything is split: the sm90 ops, the five payload modules
+# and their checksum, one version per distribution, and a static walk of what sglang-kt's server
+# imports. A failing check builds nothing. DRY_RUN=1 stops after the check.
 #
-# NOT RUN ON A GPU YET: whether sglang-kt starts with TRIM's packages left out is unchecked
-# (TRIM="" carries everything, ~85 parts). DRY_RUN=1 only lists what would go in and its size.
+# On the GPU host, each call bringing .sglbundle/{install-part.sh,MANIFEST} and one part:
+#     bash .sglbundle/install-part.sh                  # stores its part: "have k of N parts"
+# and once, at a quiet moment of the sitting (installing is ~10 GB of files: never beside a timed run):
+#     bash .sglbundle/install-part.sh --install [WAIT_S]  # waits up to WAIT_S (0) for missing parts,
+#                                                   # verifies, unpacks, installs into /root/sglsite
+# then check it there: `/root/sglsite/python -m vllm_kt_tools.bench.sglang_check` (run_h200.sh's stages
+# sglang-install and sglang-check do both; docs/benchmarks.md, *sglang-kt*).
 set -euo pipefail
 PART_MIB=${PART_MIB:-56}
 CACHE=${SGLBUNDLE_CACHE:-$HOME/.cache/sglbundle/full}
 OUT=.sglbundle
-# Left out by default: audio/video/multimodal decoders, notebook and profiling tools, the
-# dataset stack of SGLang's own bench, ModelScope. Kept: torch 2.9.1 and every nvidia-*-cu12
-# lib it preloads at import (cuDNN, cuBLAS, NCCL, cuSPARSELt...), triton 3.5.1, flashinfer
-# (python and its cubins: the host has no nvcc for flashinfer's JIT), kt-kernel whole (its
-# wheel carries the sgl-native kernels sglang-kt calls, which vLLM's bundle strips).
-TRIM=${TRIM-"torchaudio torchcodec decord2 av soundfile timm py_spy ipython ipython_pygments_lexers jedi parso pexpect
-ptyprocess prompt_toolkit stack_data executing asttokens pure_eval matplotlib_inline traitlets modelscope modelscope_hub
-datasets pyarrow multiprocess"}
-# torch 2.9.1 and its nvidia-*-cu12 libs are 3.7 of the 4.8 GB. Where the host image already
-# has nvidia-*-cu12 libs of these versions (check there: python3 -m pip list | grep cu12),
-# HOST_NVIDIA=1 leaves them out too (unchecked: torch finds them on sys.path at import).
-if [ -n "${HOST_NVIDIA:-}" ]; then
-  TRIM="$TRIM $(ls "$CACHE" 2> /dev/null | grep -o '^nvidia_[a-z_]*_cu12' | sort -u | tr '\n' ' ')"
+# the sources are Python 3.12's: parse them with 3.12 where there is one (3.11 cannot read a few)
+if [ -z "${PYTHON:-}" ]; then
+  for PYTHON in python3.12 python3; do "$PYTHON" -c '' 2> /dev/null && break; done
 fi
+CHECK=("$PYTHON" -m vllm_kt_tools.bench.sglang_bundle)
 
-[ -d "$CACHE" ] && ls "$CACHE"/sglang_kt-0.7.2-*.whl > /dev/null 2>&1 || {
-  echo "no sglang-kt 0.7.2 wheels in $CACHE: fill it first (pip download --only-binary=:all: --python-version 3.12" \
-       "--platform manylinux_2_35_x86_64 ... -d $CACHE sglang-kt==0.7.2)" >&2
+ls "$CACHE"/ktransformers-0.7.2-*.whl > /dev/null 2>&1 || {
+  echo "no ktransformers 0.7.2 wheel in $CACHE: fill it first (pip download --only-binary=:all: --python-version 3.12" \
+       "--platform manylinux_2_35_x86_64 ... -d $CACHE 'ktransformers[sglang]==0.7.2')" >&2
   exit 1
 }
 
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE/wheels"
-kept=0 trimmed=0
-for w in "$CACHE"/*.whl; do
-  dist=$(basename "$w" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
-  if [[ " $(echo $TRIM | tr 'A-Z-' 'a-z_') " == *" $dist "* ]]; then
-    trimmed=$((trimmed + $(stat -c %s "$w")))
-  else
-    kept=$((kept + $(stat -c %s "$w")))
-    [ -n "${DRY_RUN:-}" ] || ln "$w" "$STAGE/wheels/" 2> /dev/null || cp "$w" "$STAGE/wheels/"
-  fi
-done
-parts=$(( (kept + PART_MIB * 1048576 - 1) / (PART_MIB * 1048576) ))
-echo "sglang-kt bundle: $((kept / 1048576)) MiB kept (~$parts parts of $PART_MIB MiB), $((trimmed / 1048576)) MiB trimmed"
+"${CHECK[@]}" plan "$CACHE" --link-into "$STAGE/wheels"
+"${CHECK[@]}" check "$STAGE/wheels" --reference "$CACHE" --json "$STAGE/check.json" || {
+  echo "sglang-kt's package set fails its check (above): no bundle built" >&2
+  exit 1
+}
 [ -n "${DRY_RUN:-}" ] && exit 0
 
 mkdir -p "$OUT"
-grep -qx '/.sglbundle/' .git/info/exclude 2> /dev/null || echo '/.sglbundle/' >> .git/info/exclude
-tar cf "$STAGE/bundle.tar" -C "$STAGE" wheels
-rm -f "$OUT"/part*
-split -b "${PART_MIB}M" -d -a 3 "$STAGE/bundle.tar" "$OUT/part"
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's is its repository's
+grep -qx '/.sglbundle/' "$exclude" 2> /dev/null || echo '/.sglbundle/' >> "$exclude"
+rm -f "$OUT"/part* "$OUT"/MANIFEST
+tar cf - -C "$STAGE" wheels | split -b "${PART_MIB}M" -d -a 3 - "$OUT/part"
 n=$(ls "$OUT"/part* | wc -l)
-{ echo "parts=$n"; echo "sha256=$(sha256sum "$STAGE/bundle.tar" | cut -d' ' -f1)"; } > "$OUT/MANIFEST"
+{
+  echo "parts=$n"
+  echo "sha256=$(cat "$OUT"/part* | sha256sum | cut -d' ' -f1)"
+  echo "wheels=$(ls "$STAGE"/wheels | wc -l)"
+} > "$OUT/MANIFEST"
+cp "$STAGE/check.json" "$OUT/check.json"  # the check's verdict, for the record (not carried)
 cat > "$OUT/install-part.sh" << 'INSTALL'
 #!/usr/bin/env bash
-# GPU-host side of benchmarks/sglang-bundle.sh: keep the parts that arrived; once all are
-# there, verify, unpack and install into /root/sglsite, apart from vLLM's /root/gpusite.
+# GPU-host side of benchmarks/sglang-bundle.sh. Without arguments: keep the parts this call
+# brought (in $SGLBUNDLE_STORE, outside the checkout) and say how many are there; it never
+# installs, so a part may arrive beside a timed run. With --install [WAIT_S]: wait up to
+# WAIT_S seconds for all parts, verify their sha256, unpack and install into $SGLSITE with
+# its own interpreter, $SGLSITE/python (torch 2.9.1 apart from vLLM's /root/gpusite).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-STORE=/root/sglbundle SITE=/root/sglsite
+STORE=${SGLBUNDLE_STORE:-/root/sglbundle} SITE=${SGLSITE:-/root/sglsite} PY=${SGLBUNDLE_PYTHON:-python3}
 mkdir -p "$STORE"
-cp "$HERE/MANIFEST" "$STORE/MANIFEST"
-for p in "$HERE"/part*; do [ -e "$p" ] && mv "$p" "$STORE/"; done
+if [ "$HERE" != "$(cd "$STORE" && pwd)" ]; then  # a copy by the parts, for run_h200.sh's sglang-install stage
+  cp "$0" "$STORE/install-part.sh"
+  [ -f "$HERE/MANIFEST" ] && cp "$HERE/MANIFEST" "$STORE/MANIFEST"
+fi
+for p in "$HERE"/part[0-9]*; do [ -e "$p" ] && mv "$p" "$STORE/"; done
+[ -f "$STORE/MANIFEST" ] || { echo "no MANIFEST: carry .sglbundle/MANIFEST with the parts" >&2; exit 1; }
 . "$STORE/MANIFEST"
+have() { ls "$STORE"/part[0-9]* 2> /dev/null | wc -l; }
 if [ -x "$SITE/python" ]; then echo "installed already: export SGLANG_PYTHON=$SITE/python"; exit 0; fi
-have=$(ls "$STORE"/part* 2> /dev/null | wc -l)
-if [ "$have" -lt "$parts" ]; then echo "have $have of $parts parts"; exit 0; fi
-cat "$STORE"/part* > "$STORE/bundle.tar"
-echo "$sha256  $STORE/bundle.tar" | sha256sum -c -
-mkdir -p "$STORE/x" && tar xf "$STORE/bundle.tar" -C "$STORE/x"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$STORE"/x/wheels/*.whl
-rm -rf "$STORE/x" "$STORE/bundle.tar" "$STORE"/part*
-# its own interpreter: /root/sglsite first, no user site, none of vLLM's /root/gpusite
+if [ "${1:-}" != --install ]; then echo "have $(have) of $parts parts"; exit 0; fi
+deadline=$((SECONDS + ${2:-0}))
+while [ "$(have)" -lt "$parts" ]; do
+  [ "$SECONDS" -ge "$deadline" ] && { echo "have $(have) of $parts parts: not installing" >&2; exit 1; }
+  sleep 2
+done
+started=$SECONDS
+sum=$(cat "$STORE"/part[0-9]* | sha256sum | cut -d' ' -f1)
+[ "$sum" = "$sha256" ] || { echo "the $parts parts do not give the MANIFEST's sha256: not installing" >&2; exit 1; }
+rm -rf "$STORE/x" && mkdir -p "$STORE/x"
+cat "$STORE"/part[0-9]* | tar xf - -C "$STORE/x"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$STORE"/x/wheels/*.whl
+rm -rf "$STORE/x" "$STORE"/part[0-9]*
+# its own interpreter: $SITE first, no user site, none of vLLM's /root/gpusite
 cat > "$SITE/python" << PY
 #!/usr/bin/env bash
-PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH exec python3 -s "\$@"
+PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH exec $PY -s "\$@"
 PY
 chmod +x "$SITE/python"
-"$SITE/python" -c "import torch, sglang, kt_kernel; print('torch', torch.__version__, torch.cuda.is_available(), '| sglang', sglang.__version__, '| kt_kernel', kt_kernel.__version__, kt_kernel.__cpu_variant__)"
-echo "installed: export SGLANG_PYTHON=$SITE/python"
+echo "installed in $((SECONDS - started)) s: export SGLANG_PYTHON=$SITE/python"
 INSTALL
-echo "bundle: $n parts in $OUT/ ($(du -sh "$OUT" | cut -f1)); carry per call: .sglbundle/install-part.sh .sglbundle/MANIFEST .sglbundle/partNNN"
+echo "bundle: $n parts of $PART_MIB MiB in $OUT/ ($(du -sh "$OUT" | cut -f1)); carry per call:" \
+     ".sglbundle/install-part.sh .sglbundle/MANIFEST .sglbundle/partNNN"

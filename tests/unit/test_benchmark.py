@@ -265,7 +265,7 @@ def test_a_load_sitting_sweeps_the_kernel_first(tmp_path: Path, monkeypatch: pyt
     from vllm_kt_tools.cli import bench
 
     order: list[str] = []
-    monkeypatch.setattr(bench, "host_info", lambda: {})
+    monkeypatch.setattr(bench, "host_info", lambda *a: {})
     monkeypatch.setattr(bench, "sweep_kernels", lambda runs, report, log_dir, a: order.append("sweep"))
     monkeypatch.setattr(bench, "run_load", lambda a, runs, hybrid, report, log_dir: order.append("load") or report)
     argv = ("--kernel-sweep", "--load", "10:2", "--systems", "kt-hybrid", "--workdir", str(tmp_path))
@@ -292,8 +292,8 @@ def test_kernel_sweep_runs_bare_kt_kernel_through_every_layer(tmp_path: Path) ->
     assert sorted(result["tokens"]) == ["1", "16"]
     for n, timing in result["tokens"].items():
         assert timing["per_layer_ms"] > 0 and timing["same_layer_same_routing_ms"] > 0
-        bound = int(n) / (timing["per_layer_ms"] * 3 / 1e3)
-        assert timing["decode_bound_tok_s"] == pytest.approx(bound, rel=0.01)
+        rate = int(n) / (timing["per_layer_ms"] * 3 / 1e3)
+        assert timing["kernel_alone_tok_s"] == pytest.approx(rate, rel=0.01)  # its own rate: no bound
 
 
 def test_engine_starts_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -480,10 +480,10 @@ def test_prefetch_sweep_argument() -> None:
 
 def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """sglang-kt 0.7.2's server under its own Python, reading the AMX folder the bench
-    prepared (one thread pool), 33 GPU experts, dummy GPU weights; a clear error without
-    SGLANG_PYTHON. Its sweep varies only the threshold and the deferral."""
+    prepared (one thread pool), 33 GPU experts, dummy GPU weights, FA3 attention and torch's
+    sampling (flashinfer's would compile with nvcc); a clear error without SGLANG_PYTHON."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import cache_folder
-    from vllm_kt_tools.bench.peers import SGLANG_PYTHON_VARIABLE, SglangKt, prepared_amx_folder, sglang_sweep
+    from vllm_kt_tools.bench.peers import SGLANG_PYTHON_VARIABLE, SglangKt, prepared_amx_folder
 
     folder = prepared_amx_folder(str(tmp_path), "/w/model-qwen3-30b-a3b", "AMXINT4", (128, 2048, 768))
     assert folder == cache_folder(
@@ -497,73 +497,127 @@ def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.setenv(SGLANG_PYTHON_VARIABLE, "/opt/sgl/bin/python")
     command = config.command()
     assert command[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
-    assert "--disable-radix-cache" in command
-    flags = {f: command[command.index(f) + 1] for f in command if f.startswith("--kt-") or f == "--load-format"}
+    assert "--disable-radix-cache" in command and "--enable-mixed-chunk" not in command
+    flags = {f: command[command.index(f) + 1] for f in command if f.startswith("--kt-") or f.endswith("-backend")}
     assert flags == {
-        "--load-format": "dummy",
+        "--attention-backend": "fa3",
+        "--sampling-backend": "pytorch",
         "--kt-weight-path": str(folder),
         "--kt-method": "AMXINT4",
         "--kt-cpuinfer": "14",
         "--kt-threadpool-count": "1",
         "--kt-num-gpu-experts": "33",
         "--kt-max-deferred-experts-per-token": "2",
-        "--kt-gpu-prefill-token-threshold": "4096",
-    }
-    sweep = sglang_sweep(config)
-    assert {(c.gpu_prefill_token_threshold, c.max_deferred_experts_per_token) for c in sweep} == {
-        (1024, 0),
-        (1024, 2),
-        (4096, 0),
-        (4096, 2),
+        "--kt-gpu-prefill-token-threshold": "0",
     }
 
 
-def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """sglang-kt runs kt-hybrid's first method with its GPU experts per layer and CPU threads,
-    on the AMX folder --prepare-only fills (KT_CACHE_DIR); without kt-hybrid listed, a clear error."""
+def test_sglang_points_refuse_what_sglang_kt_cannot_run() -> None:
+    """Its layerwise GPU prefill needs kt-kernel to write experts in GPU layout, which the AMX
+    wrapper cannot (AMXMoEWrapper has no submit_write_weight_scale_to_buffer in kt-kernel 0.7.2):
+    a threshold with AMX experts is refused before any GPU time, as is the dynamic expert
+    update without the layerwise prefill it runs in; native BF16 experts may have both."""
+    from vllm_kt_tools.bench.peers import SglangKt
+
+    for method in ("AMXINT4", "AMXINT8"):
+        with pytest.raises(ValueError, match="submit_write_weight_scale_to_buffer"):
+            SglangKt(model="/m", weight_path="/w", method=method, gpu_prefill_token_threshold=4096)
+    with pytest.raises(ValueError, match="layerwise prefill"):
+        SglangKt(model="/m", weight_path="/w", method="BF16", dynamic_expert_update=True)
+    native = SglangKt(
+        model="/m", weight_path="/w", method="BF16", gpu_prefill_token_threshold=4096, dynamic_expert_update=True
+    )
+    command = native.command(python="py")
+    assert command[command.index("--kt-gpu-prefill-token-threshold") + 1] == "4096"
+    assert "--kt-enable-dynamic-expert-update" in command
+
+
+def _sglang_sitting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[list, dict, int]:
     from vllm_kt_plugin.settings.loader import load_settings
-    from vllm_kt_tools.bench.peers import prepared_amx_folder
     from vllm_kt_tools.cli.bench import sglang_configs
 
     monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
     model = tmp_path / "model"
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
-    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
-    bench_args = args("--systems", "kt-hybrid,sglang-kt", "--methods", "AMXINT4", "--sglang-sweep")
-    runs = plan_runs(bench_args, str(model), "dummy", sizes)
+    bench_args = args("--methods", "AMXINT4", *argv)
+    runs = plan_runs(bench_args, str(model), "dummy", model_sizes(SHAPES["qwen3-30b-a3b"]))
     section: dict = {}
-    configs = sglang_configs(bench_args, runs, section)
-    assert len(configs) == 4
-    shape = (sizes.num_experts, sizes.hidden, sizes.expert_inter)
-    folder = str(prepared_amx_folder(str(tmp_path), str(model), "AMXINT4", shape))
     threads = load_settings({"KT_METHOD": "AMXINT4"}).cpuinfer_threads
-    assert {(c.method, c.num_gpu_experts, c.weight_path, c.cpuinfer) for c in configs} == {
-        ("AMXINT4", 33, folder, threads)
-    }
+    return sglang_configs(bench_args, runs, section), section, threads
+
+
+def test_sglang_kt_takes_kt_hybrids_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang-kt runs kt-hybrid's first method with its GPU experts per layer, on the AMX
+    folder --prepare-only fills (KT_CACHE_DIR); --sglang-sweep without a value runs
+    KTransformers' documented point first (kt run's 0.8 x logical threads, deferral 2, 4,096-token
+    chunks mixed with decodes, 0.92 of the GPU), then kt-hybrid's own settings (its threads, no
+    deferral, vllm serve's 8,192-token chunks, 0.9); without kt-hybrid listed, a clear error."""
+    import os
+
+    from vllm_kt_tools.bench.peers import prepared_amx_folder
+    from vllm_kt_tools.cli.bench import sglang_configs
+
+    configs, section, threads = _sglang_sitting(
+        tmp_path, monkeypatch, "--systems", "kt-hybrid,sglang-kt", "--sglang-sweep"
+    )
+    assert [c.name for c in configs] == ["sglang-kt-documented", "sglang-kt-mirror"]
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    folder = str(prepared_amx_folder(str(tmp_path), str(tmp_path / "model"), "AMXINT4", (128, 2048, 768)))
+    assert {(c.method, c.num_gpu_experts, c.weight_path) for c in configs} == {("AMXINT4", 33, folder)}
+    assert sizes.gpu_experts_for(17 * GIB) == 33
+    documented, mirror = configs
+    assert documented.cpuinfer == int(0.8 * os.cpu_count()) and mirror.cpuinfer == threads
+    assert (documented.max_deferred_experts_per_token, mirror.max_deferred_experts_per_token) == (2, 0)
+    assert (documented.chunked_prefill_size, mirror.chunked_prefill_size) == (4096, 8192)
+    assert (documented.mem_fraction_static, mirror.mem_fraction_static) == (0.92, 0.9)
+    assert documented.enable_mixed_chunk and mirror.enable_mixed_chunk
+    assert {c.gpu_prefill_token_threshold for c in configs} == {0}  # AMX experts: no layerwise prefill
     assert section["sglang_kt"]["weight_path"] == folder
-    assert len({c.name for c in configs}) == 4  # each point's logs and JSON entry go by it
+    assert section["sglang_kt"]["sweep"] == ["documented", "mirror"]
+    recorded = section["sglang_kt"]["points"]["sglang-kt-documented"]
+    assert recorded[recorded.index("--chunked-prefill-size") + 1] == "4096" and "--enable-mixed-chunk" in recorded
+    single, _, _ = _sglang_sitting(tmp_path, monkeypatch, "--systems", "kt-hybrid,sglang-kt")
+    assert [c.name for c in single] == ["sglang-kt-documented"]  # without the flag: the documented point
     with pytest.raises(SystemExit, match="kt-hybrid"):
         sglang_configs(args("--systems", "sglang-kt"), [], section)
 
 
 def test_sglang_sweep_points_run_in_the_order_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--sglang-sweep T:D,... picks the points (0 = its GPU prefill off) and their order; a
-    malformed list is refused by the parser, naming what it expects."""
-    from vllm_kt_tools.cli.bench import sglang_configs
+    """--sglang-sweep takes point names and THRESHOLD:DEFERRED pairs (on the documented point)
+    in the order given; a threshold AMX experts cannot run stops the bench before any GPU time,
+    and a malformed list is refused by the parser, naming what it expects."""
+    argv = ("--systems", "sglang-kt,kt-hybrid", "--sglang-sweep", "mirror,0:1,documented")
+    configs, section, _ = _sglang_sitting(tmp_path, monkeypatch, *argv)
+    assert [c.name for c in configs] == ["sglang-kt-mirror", "sglang-kt-t0-d1", "sglang-kt-documented"]
+    assert configs[1].max_deferred_experts_per_token == 1 and configs[1].chunked_prefill_size == 4096
+    assert section["sglang_kt"]["sweep"] == ["mirror", [0, 1], "documented"]
+    with pytest.raises(SystemExit, match="submit_write_weight_scale_to_buffer"):
+        _sglang_sitting(tmp_path, monkeypatch, "--systems", "kt-hybrid,sglang-kt", "--sglang-sweep", "4096:2")
+    for bad in ("4096", "fastest", ""):
+        with pytest.raises(SystemExit):
+            args("--systems", "kt-hybrid", "--sglang-sweep", bad)
 
-    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SHAPES["qwen3-30b-a3b"]))
-    bench_args = args("--systems", "sglang-kt,kt-hybrid", "--methods", "AMXINT4", "--sglang-sweep", "0:0,4096:2")
-    runs = plan_runs(bench_args, str(model), "dummy", model_sizes(SHAPES["qwen3-30b-a3b"]))
-    section: dict = {}
-    configs = sglang_configs(bench_args, runs, section)
-    assert [(c.gpu_prefill_token_threshold, c.max_deferred_experts_per_token) for c in configs] == [(0, 0), (4096, 2)]
-    assert section["sglang_kt"]["sweep"] == [[0, 0], [4096, 2]]
-    with pytest.raises(SystemExit):
-        args("--systems", "kt-hybrid", "--sglang-sweep", "4096")
+
+def test_sglang_run_without_kt_kernels_wrapper_is_failed(tmp_path: Path) -> None:
+    """sglang-kt registers kt-kernel's MoE wrapper in an import its model registry only logs
+    when it fails; without it the server would hold every expert on the GPU and look fast. A
+    run whose log lacks the wrapper's line is marked failed; its GPU weights are read too."""
+    from vllm_kt_tools.bench.peers import KT_ACTIVE_LINE, check_sglang_run
+
+    log = tmp_path / "serve.log"
+    weights = (
+        "[2026-12-07] Load weight end. elapsed=30.1 s, type=Qwen3MoeForCausalLM, avail mem=60.2 GB, mem usage=16.93 GB."
+    )
+    log.write_text(f"{weights}\n")
+    plain = check_sglang_run({"decode_bs1_tok_s": 99.0}, log)
+    assert plain["kt_wrapper_active"] is False and "kt-kernel's MoE wrapper" in plain["error"]
+    assert plain["gpu_weight_gb"] == 16.93
+    log.write_text(f"{weights}\n[KT] ... {KT_ACTIVE_LINE}: 32.0 MiB (shape=...)\n")
+    hybrid = check_sglang_run({"decode_bs1_tok_s": 40.0}, log)
+    assert hybrid["kt_wrapper_active"] is True and "error" not in hybrid
+    failed = check_sglang_run({"error": "RuntimeError: did not start"}, tmp_path / "absent.log")
+    assert failed == {"error": "RuntimeError: did not start"}
 
 
 @pytest.mark.parametrize(
@@ -578,7 +632,7 @@ def test_server_engine_runs_the_systems_in_the_order_listed(
 
     started: list[str] = []
     monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(bench, "host_info", lambda: {})
+    monkeypatch.setattr(bench, "host_info", lambda *a: {})
     monkeypatch.setattr(bench, "VLLMServer", lambda *a, **k: argparse.Namespace(name="vllm", command=[]))
     monkeypatch.setattr(bench, "sglang_server", lambda *a, **k: argparse.Namespace(name="sglang", command=[]))
     monkeypatch.setattr(bench, "server_engine_run", lambda server, n, res, work, *_: started.append(server.name) or res)

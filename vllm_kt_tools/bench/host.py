@@ -9,7 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_tools.support.gpu_memory import gpu_facts
 
 
 def _recorded(name: str) -> bool:
@@ -55,9 +55,11 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def host_info() -> dict[str, Any]:
+def host_info(kt_threads: int | None = None) -> dict[str, Any]:
     """What a sitting ran on, so that figures of different hosts are never read as one:
-    CPU model, usable cores, kt-kernel's loaded variant, the project's commit, versions."""
+    CPU model, usable cores, kt-kernel's loaded variant, the project's commit, versions, the
+    GPU (from nvidia-smi: the benchmark process opens no CUDA context, ``support.gpu_memory``)
+    and, given kt-kernel's thread count, the memory read bandwidth with that many threads."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
@@ -72,9 +74,7 @@ def host_info() -> dict[str, Any]:
         import torch
 
         info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+        info.update(gpu_facts())
         import vllm
 
         info["vllm"] = vllm.__version__
@@ -86,4 +86,8 @@ def host_info() -> dict[str, Any]:
         info["cpu_has_amx"] = bool(torch.cpu._is_amx_tile_supported())
     except Exception as exc:  # the benchmark still runs; the JSON says what is unknown
         info["probe_error"] = repr(exc)
+    if kt_threads:
+        from vllm_kt_tools.bench.memory_bandwidth import read_bandwidth
+
+        info["memory_bandwidth"] = read_bandwidth(kt_threads)
     return info

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_tools.bench.engine_runs import RunSpec
-from vllm_kt_tools.bench.peers import SGLANG_PEER, SglangKt, engine_cli_flags
+from vllm_kt_tools.bench.peers import SGLANG_PEER, SglangKt, check_sglang_run, engine_cli_flags
 from vllm_kt_tools.bench.routing import TEMPERATURE
+from vllm_kt_tools.support import process_groups
 from vllm_kt_tools.support.server import VLLMServer, vllm_command
 
 SERVED_NAME = "bench"
@@ -149,9 +150,15 @@ def sglang_load_run(config: SglangKt, load: Load) -> dict[str, Any]:
     """sglang-kt's server under the same ``vllm bench serve`` (its OpenAI-compatible
     completions endpoint). Written for the GPU host; never run here."""
     name = f"load-{config.name}"
-    server = sglang_server(config, load.max_model_len, load.log_dir / f"{name}-serve.log")
-    result: dict[str, Any] = {"system": SGLANG_PEER, "method": config.method, "command": server.command}
-    return measure_load(server, name, config.model, result, load)
+    log_path = load.log_dir / f"{name}-serve.log"
+    server = sglang_server(config, load.max_model_len, log_path)
+    result: dict[str, Any] = {
+        "system": SGLANG_PEER,
+        "method": config.method,
+        "variant": config.name,
+        "command": server.command,
+    }
+    return check_sglang_run(measure_load(server, name, config.model, result, load), log_path)
 
 
 def measure_load(server: VLLMServer, name: str, model: str, result: dict[str, Any], load: Load) -> dict[str, Any]:
@@ -176,9 +183,11 @@ def bench_serve(base_url: str, name: str, model: str, load: Load) -> dict[str, A
     command = bench_serve_command(base_url, model, load.prompts, load.concurrency, load.input_len, load.output_len, out)
     try:
         with open(client_log, "w") as log:
-            code = subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}, timeout=load.timeout_s
-            ).returncode
+            client = process_groups.start(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+            try:
+                code = client.wait(timeout=load.timeout_s)
+            finally:
+                process_groups.stop(client)
     except subprocess.TimeoutExpired as exc:
         result["error"] = str(exc)[-1500:]
         return result

@@ -11,7 +11,9 @@ memory as kt-hybrid (``--gpu-weight-gb``, 17 GiB of the 30B-A3B shape):
 - ``sglang-kt``: KTransformers' SGLang fork (sglang-kt 0.7.2), launched as its own server under
   its own Python (``SGLANG_PYTHON``: it pins torch 2.9.1, which cannot share vLLM 0.32's
   environment). It reads the AMX experts the bench prepared (kt-kernel's loader format,
-  ``_layer_<i>/_numa_<n>/*.kt``, the same as kt-hybrid's cache folder) and dummy GPU weights.
+  ``_layer_<i>/_numa_<n>/*.kt``, the same as kt-hybrid's cache folder) and dummy GPU weights,
+  at named points (``sglang_points``: KTransformers' documented one, then kt-hybrid's own
+  settings); its log must show kt-kernel's MoE wrapper at work (``check_sglang_run``).
 
 Only the command lines and engine arguments are built and unit-tested here: none of these
 peers can run on a CPU-only machine (UVA and prefetch offload need CUDA; sglang-kt needs a GPU
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,31 +134,64 @@ def engine_kwargs(engine_args: dict[str, Any]) -> dict[str, Any]:
 
 # --- sglang-kt ---------------------------------------------------------------------------------
 
+# kt-kernel methods whose wrapper (kt_kernel/utils/amx.py AMXMoEWrapper) has no
+# submit_write_weight_scale_to_buffer: sglang-kt's layerwise GPU prefill
+# (kt_ep_wrapper.SharedFullContext.load -> _prepare_weight_bf16/_fp8/_int4) calls it on the
+# first forward of at least --kt-gpu-prefill-token-threshold tokens and fails there. Its docs
+# say so too: the threshold is for the native methods (FP8, RAWINT4, BF16) only.
+AMX_METHODS = ("AMXINT4", "AMXINT8")
+
 
 @dataclass(frozen=True)
 class SglangKt:
-    """One sglang-kt server configuration (sglang-kt 0.7.2's ``server_args.py`` names the flags)."""
+    """One sglang-kt server configuration (sglang-kt 0.7.2's ``server_args.py`` names the
+    flags; docs/benchmarks.md says where each point's values come from)."""
 
     model: str
     weight_path: str  # the prepared AMX experts: kt-hybrid's cache folder for the same method
     method: str = "AMXINT4"
     cpuinfer: int = 14
-    threadpool_count: int = 1  # kt-hybrid's (one per NUMA node: 1 on the H200 host); names the folder too
+    threadpool_count: int = 1  # kt-hybrid's (one per NUMA node: 1 on the lent hosts); names the folder too
     num_gpu_experts: int = 33
     max_deferred_experts_per_token: int = 0
-    gpu_prefill_token_threshold: int = 4096
+    gpu_prefill_token_threshold: int = 0  # its layerwise GPU prefill; 0: off
+    chunked_prefill_size: int | None = None  # None: sglang's default
+    mem_fraction_static: float | None = None  # None: sglang's default
+    enable_mixed_chunk: bool = False
+    dynamic_expert_update: bool = False  # acts only inside the layerwise prefill
+    # FA3 is sglang's own default on sm90 and ships compiled (sgl_kernel's flash_ops); flashinfer's
+    # attention and sampling kernels compile with nvcc on first use, which the offline host may lack
+    attention_backend: str = "fa3"
+    sampling_backend: str = "pytorch"
+    point: str = ""  # the sweep point's name
     port: int = 30000
     context_length: int = 16384 + 64
     max_running_requests: int = 64
 
+    def __post_init__(self) -> None:
+        if self.gpu_prefill_token_threshold > 0 and self.method in AMX_METHODS:
+            raise ValueError(
+                f"sglang-kt's --kt-gpu-prefill-token-threshold {self.gpu_prefill_token_threshold} with --kt-method "
+                f"{self.method}: its layerwise prefill asks kt-kernel's wrapper to write the experts in GPU layout, "
+                "which the AMX wrapper cannot (AMXMoEWrapper has no submit_write_weight_scale_to_buffer); the server "
+                "would fail at its first prefill of that many tokens. Use 0 (off), or a native method (BF16, FP8)"
+            )
+        if self.dynamic_expert_update and self.gpu_prefill_token_threshold <= 0:
+            raise ValueError(
+                "sglang-kt's --kt-enable-dynamic-expert-update acts only inside its layerwise prefill "
+                "(--kt-gpu-prefill-token-threshold > 0): with the threshold at 0 it would do nothing"
+            )
+
     @property
     def name(self) -> str:
         """Tells the points of a sweep apart (logs, JSON)."""
+        if self.point:
+            return f"{SGLANG_PEER}-{self.point}"
         return f"{SGLANG_PEER}-t{self.gpu_prefill_token_threshold}-d{self.max_deferred_experts_per_token}"
 
     def command(self, python: str | None = None) -> list[str]:
         python = python or sglang_python()
-        return [
+        command = [
             python,
             "-m",
             "sglang.launch_server",
@@ -176,6 +212,10 @@ class SglangKt:
             "--disable-radix-cache",
             "--random-seed",
             "0",
+            "--attention-backend",
+            self.attention_backend,
+            "--sampling-backend",
+            self.sampling_backend,
             "--kt-weight-path",
             self.weight_path,
             "--kt-method",
@@ -191,6 +231,15 @@ class SglangKt:
             "--kt-gpu-prefill-token-threshold",
             str(self.gpu_prefill_token_threshold),
         ]
+        if self.chunked_prefill_size is not None:
+            command += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.enable_mixed_chunk:
+            command.append("--enable-mixed-chunk")
+        if self.dynamic_expert_update:
+            command.append("--kt-enable-dynamic-expert-update")
+        return command
 
 
 def sglang_python() -> str:
@@ -203,16 +252,107 @@ def sglang_python() -> str:
     return python
 
 
-# (GPU-prefill token threshold, deferred experts per token): the short sweep's default points
-SGLANG_SWEEP_POINTS = ((1024, 0), (1024, 2), (4096, 0), (4096, 2))
+def documented_cpuinfer(logical_threads: int | None = None) -> int:
+    """``kt run``'s --kt-cpuinfer: 0.8 x the host's logical threads (kt_kernel/cli/commands/run.py)."""
+    return max(1, int((logical_threads or os.cpu_count() or 1) * 0.8))
 
 
-def sglang_sweep(base: SglangKt, points: tuple[tuple[int, int], ...] = SGLANG_SWEEP_POINTS) -> list[SglangKt]:
-    """The short sweep of its GPU-prefill threshold and deferral (issue 27: each peer at its
-    best), in the order given (a sitting short of time lists the point it needs most first)."""
+def sglang_points(base: SglangKt, logical_threads: int | None = None) -> dict[str, SglangKt]:
+    """The named points of sglang-kt (``--sglang-sweep documented,mirror``), from ``base``
+    (kt-hybrid's model, method, threads and GPU experts per layer):
+
+    - ``documented``: KTransformers' Qwen3-30B-A3B point on an AMX CPU (kt-kernel's README,
+      "Option B: AMX backend": --mem-fraction-static 0.92 --chunked-prefill-size 4096
+      --enable-mixed-chunk --kt-max-deferred-experts-per-token 2) with ``kt run``'s thread count
+      (0.8 x logical threads). Its --kt-gpu-prefill-token-threshold 4096 and
+      --kt-enable-dynamic-expert-update are the native-BF16 option's and cannot run with AMX
+      experts (``AMX_METHODS``): off;
+    - ``mirror``: kt-hybrid's own settings: its thread count, no deferral, the chunk of
+      ``vllm serve`` on an H100/H200 (max_num_batched_tokens 8,192) and vLLM's memory share (0.9).
+    """
     from dataclasses import replace
 
-    return [replace(base, gpu_prefill_token_threshold=t, max_deferred_experts_per_token=d) for t, d in points]
+    return {
+        "documented": replace(
+            base,
+            point="documented",
+            cpuinfer=documented_cpuinfer(logical_threads),
+            max_deferred_experts_per_token=2,
+            gpu_prefill_token_threshold=0,
+            chunked_prefill_size=4096,
+            mem_fraction_static=0.92,
+            enable_mixed_chunk=True,
+        ),
+        "mirror": replace(
+            base,
+            point="mirror",
+            max_deferred_experts_per_token=0,
+            gpu_prefill_token_threshold=0,
+            chunked_prefill_size=8192,
+            mem_fraction_static=0.9,
+            enable_mixed_chunk=True,
+        ),
+    }
+
+
+# The sitting's order: KTransformers' documented point first, then kt-hybrid's settings.
+SGLANG_POINT_NAMES: tuple[str, ...] = ("documented", "mirror")
+SGLANG_SWEEP_POINTS: tuple[str, ...] = SGLANG_POINT_NAMES
+
+
+def sglang_sweep(
+    base: SglangKt, points: tuple[str | tuple[int, int], ...] = SGLANG_SWEEP_POINTS, logical_threads: int | None = None
+) -> list[SglangKt]:
+    """The points to run, in the order given (a sitting short of time lists the one it
+    needs most first): names of ``sglang_points``, or (threshold, deferral) pairs on the
+    documented point."""
+    from dataclasses import replace
+
+    named = sglang_points(base, logical_threads)
+    configs = []
+    for point in points:
+        if isinstance(point, str):
+            configs.append(named[point])
+        else:
+            threshold, deferred = point
+            configs.append(
+                replace(
+                    named["documented"],
+                    point=f"t{threshold}-d{deferred}",
+                    gpu_prefill_token_threshold=threshold,
+                    max_deferred_experts_per_token=deferred,
+                )
+            )
+    return configs
+
+
+KT_ACTIVE_LINE = "[KT] Created shared staging buffer"  # kt_ep_wrapper's create_weights, rank 0
+SGLANG_WEIGHTS_RE = re.compile(r"Load weight end\..*?mem usage=([\d.]+) GB")
+
+
+def sglang_log_facts(log_text: str) -> dict[str, Any]:
+    """What sglang-kt's log says about a run: whether kt-kernel's MoE wrapper built its
+    layers (without it sglang would serve every expert on the GPU and look fast) and the GPU
+    weight memory it reports."""
+    facts: dict[str, Any] = {"kt_wrapper_active": KT_ACTIVE_LINE in log_text}
+    weights = SGLANG_WEIGHTS_RE.findall(log_text)
+    if weights:
+        facts["gpu_weight_gb"] = float(weights[0])
+    return facts
+
+
+def check_sglang_run(result: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """A sglang-kt run's facts from its log (``peers.sglang_log_facts``); a server that served
+    without kt-kernel's MoE wrapper (all experts on the GPU) is marked failed, whatever it measured."""
+    try:
+        facts = sglang_log_facts(log_path.read_text(errors="replace"))
+    except OSError:
+        return result
+    result.update(facts)
+    measured = any(result.get(key) for key in ("decode_bs1_tok_s", "output_throughput"))
+    if measured and not facts["kt_wrapper_active"] and "error" not in result:
+        result["error"] = f"served without kt-kernel's MoE wrapper: no {KT_ACTIVE_LINE!r} in {log_path.name}"
+    return result
 
 
 def prepared_amx_folder(cache_dir: str, model: str, method: str, shape: tuple[int, int, int], pools: int = 1) -> Path:

@@ -9,6 +9,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+# The kernel sweep's rate of bare kt-kernel through all layers (bench/kernel_sweep.py), and
+# its name in JSON files before 2026-12-07, when it was misread as a bound
+KERNEL_ALONE_KEY = "kernel_alone_tok_s"
+OLD_KERNEL_ALONE_KEY = "decode_bound_tok_s"
+
+
+def kernel_alone_tok_s(timing: dict[str, Any]) -> float | None:
+    """One kernel-sweep entry's rate, under its name of any sitting."""
+    return timing.get(KERNEL_ALONE_KEY, timing.get(OLD_KERNEL_ALONE_KEY))
+
 
 def write_chart(report: dict[str, Any], path: Path) -> bool:
     try:
@@ -35,12 +45,26 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         ax.set_xticks(range(len(runs)), labels, fontsize=7)
         ax.set_title(f"{title} (tok/s)")
         ax.set_yscale("log")
+        limits = _decode_limits(report, key)
+        for method, limit in limits:  # what the host's memory bandwidth allows (bench/memory_bandwidth.py)
+            ax.axhline(limit, color="black", linestyle="--", linewidth=0.8)
+            ax.annotate(f"{method} memory limit {limit:.0f}", (0, limit), fontsize=7, va="bottom")
+        values += [limit for _, limit in limits]
         if any(values):  # at least a decade, from below: bars of close values look close
             ax.set_ylim(min(min(v for v in values if v), max(values) / 10) / 2, max(values) * 2)
     fig.suptitle(f"{report['model']} on {report['host'].get('gpu', 'GPU')}: tokens/s (log scale)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return True
+
+
+def _decode_limits(report: dict[str, Any], key: str) -> list[tuple[str, float]]:
+    """The host's decode limits (``decode_limit``: bench/memory_bandwidth.py) for a chart
+    panel: decode_bs1_tok_s reads bs1; the prefill panels have none."""
+    batch = key.removeprefix("decode_").removesuffix("_tok_s")
+    return [
+        (method, limit[batch]["tok_s"]) for method, limit in report.get("decode_limit", {}).items() if batch in limit
+    ]
 
 
 def _weights_gb(run: dict[str, Any]) -> float:

@@ -3,7 +3,9 @@ figure in it is typed by hand (``python -m vllm_kt_tools.bench.table RESULT.json
 test keeps the README's table equal to this output for the JSON it names).
 
 One row per engine run (and per server run of ``--server-engine``), in the JSON's order;
-a figure the run did not measure is "n/a", a run that failed says so."""
+a figure the run did not measure is "n/a", a run that failed says so. Below them, where the
+sitting recorded them, the decode limit of the host's memory bandwidth and bare kt-kernel's
+own rate, so that the engine figures are read against both."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from vllm_kt_tools.bench.report import kernel_alone_tok_s
 
 SYSTEM_NAMES = {
     "vllm-gpu": "vLLM, all on GPU",
@@ -66,17 +70,47 @@ def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
 
 
-def markdown_table(report: dict[str, Any]) -> str:
-    """The table of every run in ``report`` (engine runs, then server runs)."""
+def _decode_row(name: str, bs1: float | None, bs16: float | None) -> list[str]:
+    """A row with decode figures only (the host's own figures beside the runs')."""
+    decode = [f"{_number(v, 1)} tok/s" if v else "n/a" for v in (bs1, bs16)]
+    return [name, "—", *decode, *("—" for _ in COLUMNS[2:]), "—"]
+
+
+def _host_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The sitting's host figures beside its runs: the decode limit its memory bandwidth
+    implies (bench/memory_bandwidth.py) and bare kt-kernel's own rate (the kernel sweep: not a
+    bound; old JSONs name it decode_bound_tok_s)."""
+    rows = []
+    for method, limit in report.get("decode_limit", {}).items():
+        name = f"memory-bandwidth limit, {method} ({limit['read_gb_s']:.0f} GB/s read)"
+        rows.append(_decode_row(name, limit["bs1"]["tok_s"], limit["bs16"]["tok_s"]))
+    for method, sweep in report.get("kernel_sweep", {}).items():
+        tokens = sweep.get("tokens", {})
+        rates = [kernel_alone_tok_s(tokens[n]) if n in tokens else None for n in ("1", "16")]
+        rows.append(_decode_row(f"bare kt-kernel alone, {method} (kernel sweep)", *rates))
+    return rows
+
+
+def _rows(report: dict[str, Any]) -> list[list[str]]:
+    return [*(_cells(run) for run in _runs(report)), *_host_rows(report)]
+
+
+def _table(rows: list[list[str]]) -> str:
     header = ["system", "GPU weights", *(column for column, *_ in COLUMNS), "experts per layer, batch 16"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(_cells(run)) + " |" for run in _runs(report)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
+def markdown_table(report: dict[str, Any]) -> str:
+    """The table of every run in ``report`` (engine runs, then server runs), then the host's
+    decode limit and kernel rate where the sitting recorded them."""
+    return _table(_rows(report))
+
+
 def table_of(paths: list[Path]) -> str:
-    """The table of the runs of these sittings' JSON files, in turn."""
-    return markdown_table({"runs": [run for path in paths for run in _runs(json.loads(path.read_text()))]})
+    """The table of these sittings' JSON files, in turn."""
+    return _table([row for path in paths for row in _rows(json.loads(path.read_text()))])
 
 
 def main() -> None:

@@ -37,10 +37,12 @@ from vllm_kt_tools.bench.load_runs import (
 from vllm_kt_tools.bench.peers import (
     DEFAULT_PREFETCH_SWEEP,
     SGLANG_PEER,
+    SGLANG_POINT_NAMES,
     SGLANG_SWEEP_POINTS,
     VLLM_PEERS,
     SglangKt,
     best_prefetch,
+    check_sglang_run,
     prepared_amx_folder,
     sglang_sweep,
 )
@@ -48,7 +50,9 @@ from vllm_kt_tools.bench.report import best_hybrid, save, threads_from_log
 from vllm_kt_tools.bench.server_engine import ServerWorkload, server_engine_run
 from vllm_kt_tools.bench.shapes import CHECKPOINTS, SHAPES, ModelSizes, model_sizes, prepare_model
 from vllm_kt_tools.bench.split_curve import split_curve_in_child
+from vllm_kt_tools.support import process_groups
 from vllm_kt_tools.support.engine_lock import engine_lock
+from vllm_kt_tools.support.gpu_memory import wait_until_free
 from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 from vllm_kt_tools.support.server import VLLMServer
 
@@ -81,8 +85,11 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         f"{sizes.num_experts} experts ({sizes.expert_bytes / 2**20:.1f} MiB each); {len(runs)} runs",
         flush=True,
     )
-    with engine_lock():  # probing the GPU allocates a CUDA context: not while an engine profiles
-        host = host_info()
+    if SGLANG_PEER in system_order(args) and not args.prepare_only:
+        sglang_configs(args, runs, {})  # a point sglang-kt cannot run fails here, before any GPU time
+    threads = None if args.prepare_only else kt_threads(runs)  # prepare-only runs beside other work
+    with engine_lock():  # the bandwidth pass: not while an engine starts beside it
+        host = host_info(threads)
     report: dict[str, Any] = {
         "model": args.shape if not args.model else model,
         "command": "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
@@ -100,6 +107,9 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         "layers": hf_config["num_hidden_layers"],
         "runs": [],
     }
+    limits = decode_limits(host, runs, sizes)
+    if limits:  # beside the engine figures: what the host's memory allows (bench/memory_bandwidth.py)
+        report["decode_limit"] = limits
     if args.append:
         continue_sitting(report, Path(args.out))
     if args.prepare_only:
@@ -119,6 +129,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         report["not_measured"] = {SGLANG_PEER: "engine-mode figures are not built for sglang-kt; it runs under --load"}
         print(f"[bench] {SGLANG_PEER}: {report['not_measured'][SGLANG_PEER]}", flush=True)
     for spec in runs:
+        wait_until_free(spec.name)
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
         save(report, args.out)
     record_prefetch_sweep(report)
@@ -183,6 +194,7 @@ def sweep_kernels(runs: list[RunSpec], report: dict[str, Any], log_dir: Path, ar
     if not plain:
         print("[bench] --kernel-sweep: no kt-hybrid run to take the CPU experts of: no sweep", flush=True)
     for spec in plain:
+        wait_until_free(f"the kernel sweep of {spec.method}")
         sweep = sweep_in_child(spec.model, spec.load_format, spec.env, log_dir, args.timeout)
         report.setdefault("kernel_sweep", {})[spec.method] = sweep
         save(report, args.out)
@@ -208,6 +220,7 @@ def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, a
         raise SystemExit("--layer-only needs a kt-hybrid run (--systems kt-hybrid)")
     if args.split_curve:  # the split's per-layer curve instead (docs/split.md)
         env = {**spec.env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
+        wait_until_free("the split curve")
         curve = split_curve_in_child(spec.model, env, workdir / "logs", args.timeout)
         report["split_curve"] = {"method": spec.method, **curve}
         save(report, args.out)
@@ -223,6 +236,7 @@ def time_layer(
     """One kt-hybrid layer of ``method`` timed alone, into ``report`` (with GPU prefill's
     break-even where it was timed)."""
     env = {**env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
+    wait_until_free(f"the layer benchmark of {method}")
     layer = layer_in_child(model, env, workdir / "logs", timeout_s)
     report["layer_benchmark"] = {"method": method, **layer}
     if "gpu_prefill" in layer:
@@ -246,10 +260,12 @@ def run_load(
         if spec.enforce_eager:
             continue
         slow = spec.system in VLLM_PEERS and args.offload_load
+        wait_until_free(f"load-{spec.name}")
         report["load"]["runs"].append(load_run(spec, load_of(args.offload_load if slow else args.load)))
         save(report, args.out)
     if SGLANG_PEER in system_order(args):
         for config in sglang_configs(args, hybrid, report["load"]):
+            wait_until_free(f"load-{config.name}")
             report["load"]["runs"].append(sglang_load_run(config, load_of(args.load)))
             save(report, args.out)
     return report
@@ -296,6 +312,7 @@ def run_server_engine(
             if spec.enforce_eager:
                 continue
             env, flags = routing.server_recording()  # its routing, counted as in the engine mode
+            wait_until_free(f"server-{spec.name}")
             server = VLLMServer(
                 spec.model,
                 [*serve_args(spec, max_model_len), *flags],
@@ -309,9 +326,12 @@ def run_server_engine(
 
     def sglang_servers() -> None:
         for sglang in sglang_configs(args, hybrid, section):
-            server = sglang_server(sglang, max_model_len, log_dir / f"server-{sglang.name}-serve.log")
+            wait_until_free(f"server-{sglang.name}")
+            log_path = log_dir / f"server-{sglang.name}-serve.log"
+            server = sglang_server(sglang, max_model_len, log_path)
             result = {"system": SGLANG_PEER, "method": sglang.method, "variant": sglang.name, "command": server.command}
-            section["runs"].append(server_engine_run(server, f"server-{sglang.name}", result, work, None, load, model))
+            result = server_engine_run(server, f"server-{sglang.name}", result, work, None, load, model)
+            section["runs"].append(check_sglang_run(result, log_path))
             save(report, args.out)
 
     order = system_order(args)
@@ -349,9 +369,51 @@ def sglang_configs(args: argparse.Namespace, hybrid_runs: list[RunSpec], section
         threadpool_count=settings.threadpool_count,
         num_gpu_experts=int(hybrid.env["KT_NUM_GPU_EXPERTS"]),
     )
-    points = args.sglang_sweep
-    section["sglang_kt"] = {"weight_path": weight_path, "sweep": None if points is None else [list(p) for p in points]}
-    return [base] if points is None else sglang_sweep(base, points)
+    points = args.sglang_sweep or SGLANG_SWEEP_POINTS[:1]  # without --sglang-sweep: the documented point
+    try:
+        configs = sglang_sweep(base, points)
+    except ValueError as exc:  # a point sglang-kt cannot run (peers.SglangKt says why)
+        raise SystemExit(f"--sglang-sweep: {exc}") from None
+    section["sglang_kt"] = {
+        "weight_path": weight_path,
+        "sweep": [p if isinstance(p, str) else list(p) for p in points],
+        "points": {config.name: config.command(python="SGLANG_PYTHON")[3:] for config in configs},
+    }
+    return configs
+
+
+def kt_threads(runs: list[RunSpec]) -> int:
+    """kt-kernel's thread count of the sitting (the first kt-hybrid run's, else the plugin's
+    default on this host): the memory bandwidth is measured with as many threads."""
+    from vllm_kt_plugin.settings.loader import load_settings
+
+    hybrid = next((spec for spec in runs if spec.system == "kt-hybrid"), None)
+    return load_settings({**os.environ, **(hybrid.env if hybrid else {})}).cpuinfer_threads
+
+
+def decode_limits(host: dict[str, Any], runs: list[RunSpec], sizes: ModelSizes) -> dict[str, Any]:
+    """Per kt-hybrid method: the decode rate the host's memory bandwidth allows at batch 1
+    and 16 with that run's CPU experts (``memory_bandwidth.decode_limit``)."""
+    from vllm_kt_tools.bench.memory_bandwidth import decode_limit
+
+    bandwidth = (host.get("memory_bandwidth") or {}).get("read_gb_s")
+    limits: dict[str, Any] = {}
+    for spec in runs:
+        if not bandwidth or spec.system != "kt-hybrid" or spec.variant or spec.method in limits:
+            continue
+        limit = decode_limit(
+            bandwidth,
+            spec.method,
+            sizes.hidden,
+            sizes.expert_inter,
+            sizes.layers,
+            sizes.num_experts,
+            sizes.top_k,
+            int(spec.env["KT_NUM_GPU_EXPERTS"]),
+        )
+        if limit:
+            limits[spec.method] = limit
+    return limits
 
 
 def _int_pairs(text: str, names: str, minimum: int, example: str) -> tuple[tuple[int, int], ...]:
@@ -369,8 +431,17 @@ def _prefetch_points(text: str) -> tuple[tuple[int, int], ...]:
     return _int_pairs(text, "GROUP:STEP", 1, "8:1,8:2")
 
 
-def _sglang_points(text: str) -> tuple[tuple[int, int], ...]:
-    return _int_pairs(text, "THRESHOLD:DEFERRED", 0, "0:0,4096:0")
+def _sglang_points(text: str) -> tuple[str | tuple[int, int], ...]:
+    """Point names (``peers.sglang_points``) or THRESHOLD:DEFERRED pairs, comma-separated."""
+    points: list[str | tuple[int, int]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item in SGLANG_POINT_NAMES:
+            points.append(item)
+        elif item:
+            points += _int_pairs(item, "THRESHOLD:DEFERRED", 0, "documented,mirror or 0:2")
+    if not points:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {','.join(SGLANG_POINT_NAMES)} or THRESHOLD:DEFERRED")
+    return tuple(points)
 
 
 def _load_spec(text: str) -> tuple[int, int]:
@@ -434,8 +505,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=SGLANG_SWEEP_POINTS,
         type=_sglang_points,
-        help="sglang-kt: sweep its GPU-prefill threshold and deferral, THRESHOLD:DEFERRED[,...] in this order "
-        "(0 = GPU prefill off; default points: " + ",".join(f"{t}:{d}" for t, d in SGLANG_SWEEP_POINTS) + ")",
+        help="sglang-kt: the points to run, in this order: " + ", ".join(SGLANG_POINT_NAMES) + " (docs/benchmarks.md), "
+        "or THRESHOLD:DEFERRED on the documented point (its layerwise GPU prefill needs a native method: 0 with "
+        "AMX experts); without a value " + ",".join(SGLANG_SWEEP_POINTS) + "; without the flag the documented point",
     )
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument(
@@ -537,6 +609,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    process_groups.install_handlers()  # SIGTERM/SIGINT/exit stop every system's process group
     report = run_sitting(args)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     if args.layer_only:

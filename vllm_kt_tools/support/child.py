@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_kt_tools.support import process_groups
+
 RESULT_PREFIX = "RESULT "
 # "module:function,...": called when this module is imported, i.e. in the child and in every
 # process vLLM spawns from it (spawn re-imports the parent's main module, this one), before
@@ -70,19 +72,21 @@ def run_child(
     timeout_s: float,
     log_path: Path | None = None,
 ) -> ChildRun:
-    """``target`` ("module:function") called with ``kwargs`` in a new process group; on a
-    timeout the whole group is killed. Output goes to ``log_path`` (or a temporary file)."""
+    """``target`` ("module:function") called with ``kwargs`` in a process group of its own
+    (``process_groups``); the whole group is stopped when it returns, fails or times out
+    (vLLM's engine core is the child's child). Output goes to ``log_path`` (or a temporary
+    file)."""
     command = [sys.executable, "-m", __name__, target, json.dumps(dict(kwargs))]
     with open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+") as log:  # noqa: SIM115
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True
-        )
+        proc = process_groups.start(command, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            process_groups.stop(proc)
             code = proc.wait()
-            log.write(f"\n[child] killed after {timeout_s:.0f} s\n")
+            log.write(f"\n[child] stopped after {timeout_s:.0f} s\n")
+        finally:
+            process_groups.stop(proc)  # what it left behind, even after a clean exit
         if code != 0:  # a signal (negative) or a C abort says nothing in the log itself
             log.write(f"\n[child] exited with {_exit_status(code)}\n")
         log.flush()

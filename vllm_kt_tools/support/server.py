@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from vllm_kt_tools.support import process_groups
+
 SERVER_START_TIMEOUT_S = 900
 
 
@@ -75,11 +77,9 @@ class VLLMServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def launch(self) -> VLLMServer:
-        """Start ``vllm serve`` in a process group of its own and return at once."""
+        """Start the server in a process group of its own (``process_groups``) and return at once."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's lifetime
-        self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
+        self.proc = process_groups.start(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self
 
     def start(self, progress: Callable[[float], None] | None = None) -> VLLMServer:
@@ -120,22 +120,21 @@ class VLLMServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
-        """Ask vLLM to shut down (SIGINT); kill its whole process group if it does not."""
-        if self.proc is None or self.proc.poll() is not None:
+        """Ask the server to shut down (SIGINT, as Ctrl-C would), then stop its whole process
+        group (SIGTERM, then SIGKILL): its engine core or scheduler must not outlive it."""
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        process_groups.stop(self.proc)
 
     def kill(self) -> None:
         """SIGKILL to the server and every process it started (engine core included)."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        process_groups.stop(self.proc, grace_s=0.0, first=signal.SIGKILL)
 
     def __enter__(self) -> VLLMServer:
         return self.start()
