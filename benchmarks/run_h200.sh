@@ -247,11 +247,19 @@ run_prefill_test() {
       > "$BENCH_OUT/prefill-test.log" 2>&1
 }
 
-stage "install"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/gpusite . \
-    > "$BENCH_OUT/install.log" 2>&1 || python3 -m pip install -q --no-deps -e . >> "$BENCH_OUT/install.log" 2>&1
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$BENCH_OUT/host.txt" 2>&1
-lscpu >> "$BENCH_OUT/host.txt" 2>&1
+# The plugin into /root/gpusite once per tree (a sitting runs this script several times, two at once
+# beside each other: a second pip into the same --target would race the first)
+installed=/root/gpusite/.vllm-kt-installed-$(cat pyproject.toml vllm_kt_plugin/__init__.py | sha256sum | cut -c1-12)
+if ( set -o noclobber; : > "$installed.lock" ) 2> /dev/null; then
+  stage "install"
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/gpusite . \
+      > "$BENCH_OUT/install.log" 2>&1 || python3 -m pip install -q --no-deps -e . >> "$BENCH_OUT/install.log" 2>&1
+  touch "$installed"
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$BENCH_OUT/host.txt" 2>&1
+  lscpu >> "$BENCH_OUT/host.txt" 2>&1
+else
+  for _ in $(seq 120); do [ -f "$installed" ] && break; sleep 1; done  # the other invocation's install
+fi
 
 for entry in $STAGES; do
   name=${entry%&}

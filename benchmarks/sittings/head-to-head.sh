@@ -18,11 +18,14 @@
 #   3. the FP8 host copy's accuracy beside the CPU methods' (GPU tests, tiny models), while
 #      sglang-kt's package set is installed (nothing is timed meanwhile)
 #   4. sglang-kt behind its own server, the same workload and load: KTransformers' documented
-#      point for Qwen3-30B-A3B first, then one more point
+#      point for Qwen3-30B-A3B first, then kt-hybrid's settings mirrored (docs/benchmarks.md)
 #   5. vLLM's expert-only UVA offloader, engine mode, a decode it can finish
 #   6. bare kt-kernel through every layer (the kernel sweep)
 # Each stage writes its JSON under $BENCH_OUT as soon as each system ends; the host's memory
-# bandwidth (kt-kernel's thread count) is in every JSON's host record.
+# bandwidth (kt-kernel's thread count) and the decode limit it implies are in every JSON. Both
+# servers get 16,384-token prefill chunks where they take one: kt-hybrid's --max-num-batched-tokens
+# (a forward that streams the CPU experts pays one copy of them, whatever its size), and the
+# mirror point's --chunked-prefill-size; the documented point keeps its 4,096.
 set -u
 cd "$(dirname "$0")/../.."
 export BENCH_OUT=${BENCH_OUT:-/root/bench-out}
@@ -58,30 +61,21 @@ KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=
   SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384" SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
 leftovers kt-hybrid
 
-stage "3 GPU accuracy tests beside sglang-kt's install"
-GPU_TEST_FILES=tests/engine/test_gpu.py GPU_TESTS=fp8_copy_drift GPU_TESTS_TIMEOUT=${ACCURACY_TIMEOUT_S:-330} \
+stage "3 GPU accuracy tests beside sglang-kt's install and check"
+GPU_TEST_FILES=tests/engine/test_gpu.py GPU_TESTS=fp8_copy_drift GPU_TESTS_TIMEOUT=${ACCURACY_TIMEOUT_S:-300} \
   GPU_TESTS_JSON=${card:-gpu}_fp8_copy_accuracy.json STAGES=gpu-tests bash benchmarks/run_h200.sh &
 tests=$!
-sglang=ok
-if ! timeout "${SGLANG_INSTALL_WAIT_S:-600}" bash /root/main/.sglbundle/install-part.sh --install \
-    > "$BENCH_OUT/sglang-install.log" 2>&1; then
-  sglang="its package set did not install (sglang-install.log)"
-elif ! bash benchmarks/sglang-check.sh > "$BENCH_OUT/sglang-check.log" 2>&1; then
-  sglang="$(tail -1 "$BENCH_OUT/sglang-check.log")"
-fi
-stage "sglang-kt: $sglang"
+# install-part.sh --install waits for the last part (SGLANG_WAIT_S); the check writes sglang-check.failed
+# on failure, and the later stages then leave sglang-kt out, saying why (run_h200.sh's without_sglang)
+GPU_FREE_WAIT_S=0 SGLANG_WAIT_S=${SGLANG_WAIT_S:-900} STAGES="sglang-install sglang-check" bash benchmarks/run_h200.sh
 wait $tests
 leftovers gpu-tests
 
-if [ "$sglang" = ok ]; then
-  stage "4 sglang-kt behind its own server: the documented point, then one more; the load"
-  KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=1000:64 \
-    SGLANG_SWEEP=${SGLANG_POINTS:-4096:2,0:0} SERVER_ENGINE_ARGS="--append" SERVER_ENGINE_JSON=$SERVER_JSON \
-    bash benchmarks/run_h200.sh
-  leftovers sglang-kt
-else
-  stage "4 skipped: sglang-kt $sglang"
-fi
+stage "4 sglang-kt behind its own server: the documented point, then the mirror of kt-hybrid's; the load"
+KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=1000:64 \
+  SGLANG_SWEEP=${SGLANG_POINTS:-documented,mirror} SERVER_ENGINE_ARGS="--append --max-num-batched-tokens 16384" \
+  SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
+leftovers sglang-kt
 
 stage "5 vLLM's expert-only offloader, engine mode"
 KERNEL_SWEEP=0 STAGES=peers PEER_SYSTEMS=vllm-offload-experts BENCH_ARGS="--decode-tokens 8 --decode-repeats 3" \

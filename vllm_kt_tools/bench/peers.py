@@ -257,7 +257,12 @@ def documented_cpuinfer(logical_threads: int | None = None) -> int:
     return max(1, int((logical_threads or os.cpu_count() or 1) * 0.8))
 
 
-def sglang_points(base: SglangKt, logical_threads: int | None = None) -> dict[str, SglangKt]:
+VLLM_SERVE_CHUNK = 8192  # vllm serve's max_num_batched_tokens on an H100/H200 (vLLM 0.32's default)
+
+
+def sglang_points(
+    base: SglangKt, logical_threads: int | None = None, chunk: int = VLLM_SERVE_CHUNK
+) -> dict[str, SglangKt]:
     """The named points of sglang-kt (``--sglang-sweep documented,mirror``), from ``base``
     (kt-hybrid's model, method, threads and GPU experts per layer):
 
@@ -267,8 +272,9 @@ def sglang_points(base: SglangKt, logical_threads: int | None = None) -> dict[st
       (0.8 x logical threads). Its --kt-gpu-prefill-token-threshold 4096 and
       --kt-enable-dynamic-expert-update are the native-BF16 option's and cannot run with AMX
       experts (``AMX_METHODS``): off;
-    - ``mirror``: kt-hybrid's own settings: its thread count, no deferral, the chunk of
-      ``vllm serve`` on an H100/H200 (max_num_batched_tokens 8,192) and vLLM's memory share (0.9).
+    - ``mirror``: kt-hybrid's own settings: its thread count, no deferral, its server's chunk
+      (``chunk``: the sitting's --max-num-batched-tokens, else ``vllm serve``'s 8,192 on an
+      H100/H200) and vLLM's memory share (0.9).
     """
     from dataclasses import replace
 
@@ -288,7 +294,7 @@ def sglang_points(base: SglangKt, logical_threads: int | None = None) -> dict[st
             point="mirror",
             max_deferred_experts_per_token=0,
             gpu_prefill_token_threshold=0,
-            chunked_prefill_size=8192,
+            chunked_prefill_size=chunk,
             mem_fraction_static=0.9,
             enable_mixed_chunk=True,
         ),
@@ -301,14 +307,17 @@ SGLANG_SWEEP_POINTS: tuple[str, ...] = SGLANG_POINT_NAMES
 
 
 def sglang_sweep(
-    base: SglangKt, points: tuple[str | tuple[int, int], ...] = SGLANG_SWEEP_POINTS, logical_threads: int | None = None
+    base: SglangKt,
+    points: tuple[str | tuple[int, int], ...] = SGLANG_SWEEP_POINTS,
+    logical_threads: int | None = None,
+    chunk: int = VLLM_SERVE_CHUNK,
 ) -> list[SglangKt]:
     """The points to run, in the order given (a sitting short of time lists the one it
     needs most first): names of ``sglang_points``, or (threshold, deferral) pairs on the
     documented point."""
     from dataclasses import replace
 
-    named = sglang_points(base, logical_threads)
+    named = sglang_points(base, logical_threads, chunk)
     configs = []
     for point in points:
         if isinstance(point, str):

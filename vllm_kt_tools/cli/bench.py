@@ -40,6 +40,7 @@ from vllm_kt_tools.bench.peers import (
     SGLANG_POINT_NAMES,
     SGLANG_SWEEP_POINTS,
     VLLM_PEERS,
+    VLLM_SERVE_CHUNK,
     SglangKt,
     best_prefetch,
     check_sglang_run,
@@ -86,8 +87,8 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     if SGLANG_PEER in system_order(args) and not args.prepare_only:
-        sglang_configs(args, runs, {})  # a point sglang-kt cannot run fails here, before any GPU time
-    threads = None if args.prepare_only else kt_threads(runs)  # prepare-only runs beside other work
+        sglang_configs(args, hybrid, {})  # a point sglang-kt cannot run fails here, before any GPU time
+    threads = None if args.prepare_only else kt_threads(hybrid)  # prepare-only runs beside other work
     with engine_lock():  # the bandwidth pass: not while an engine starts beside it
         host = host_info(threads)
     report: dict[str, Any] = {
@@ -107,7 +108,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
         "layers": hf_config["num_hidden_layers"],
         "runs": [],
     }
-    limits = decode_limits(host, runs, sizes)
+    limits = decode_limits(host, hybrid, sizes)
     if limits:  # beside the engine figures: what the host's memory allows (bench/memory_bandwidth.py)
         report["decode_limit"] = limits
     if args.append:
@@ -371,7 +372,7 @@ def sglang_configs(args: argparse.Namespace, hybrid_runs: list[RunSpec], section
     )
     points = args.sglang_sweep or SGLANG_SWEEP_POINTS[:1]  # without --sglang-sweep: the documented point
     try:
-        configs = sglang_sweep(base, points)
+        configs = sglang_sweep(base, points, chunk=args.max_num_batched_tokens or VLLM_SERVE_CHUNK)
     except ValueError as exc:  # a point sglang-kt cannot run (peers.SglangKt says why)
         raise SystemExit(f"--sglang-sweep: {exc}") from None
     section["sglang_kt"] = {
@@ -383,11 +384,11 @@ def sglang_configs(args: argparse.Namespace, hybrid_runs: list[RunSpec], section
 
 
 def kt_threads(runs: list[RunSpec]) -> int:
-    """kt-kernel's thread count of the sitting (the first kt-hybrid run's, else the plugin's
-    default on this host): the memory bandwidth is measured with as many threads."""
+    """kt-kernel's thread count of the sitting (the first of its kt-hybrid ``runs``, else the
+    plugin's default on this host): the memory bandwidth is measured with as many threads."""
     from vllm_kt_plugin.settings.loader import load_settings
 
-    hybrid = next((spec for spec in runs if spec.system == "kt-hybrid"), None)
+    hybrid = next(iter(runs), None)
     return load_settings({**os.environ, **(hybrid.env if hybrid else {})}).cpuinfer_threads
 
 
