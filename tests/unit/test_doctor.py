@@ -125,7 +125,9 @@ def test_amx_weights_in_kt_layout(tmp_path: Path) -> None:
     [
         ("AMXINT4", "model.safetensors", OK),  # kt quant's merged output
         ("AMXINT4", "model.gguf", ERROR),
-        ("LLAMAFILE", "sub/model-Q4_K_M.gguf", OK),
+        ("LLAMAFILE", "model-Q4_K_M.gguf", OK),
+        # kt-kernel reads the .gguf files directly in the folder, not in subfolders
+        ("LLAMAFILE", "sub/model-Q4_K_M.gguf", ERROR),
         ("LLAMAFILE", "model.safetensors", ERROR),
         ("BF16", "model-00001.safetensors", OK),
         ("FP8", "model.gguf", ERROR),

@@ -71,10 +71,16 @@ _COMMON: dict[str, Any] = {
 QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
-def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False) -> Any:
+# GGUF experts (kt-kernel's LLAMAFILE): expert widths in whole 256-wide K-quant blocks.
+GGUF_WIDE = {"moe_intermediate_size": 256}
+
+
+def _arch_config(
+    arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False, wide: dict | None = None
+) -> Any:
     import transformers
 
-    wide = QUANTIZABLE if quantizable else {}
+    wide = wide if wide is not None else QUANTIZABLE if quantizable else {}
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **_COMMON,
@@ -289,10 +295,12 @@ def write_tiny_model(
     seed: int = 0,
     train_steps: int = 600,
     quantizable: bool = False,
+    gguf_experts: bool = False,
     progress: TrainingProgress | None = None,
 ) -> Path:
     """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``;
-    ``quantizable``: with the ``QUANTIZABLE`` shapes; ``progress``: told of the training."""
+    ``quantizable``: with the ``QUANTIZABLE`` shapes; ``gguf_experts``: 256-wide experts
+    (``GGUF_WIDE``); ``progress``: told of the training."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -301,7 +309,7 @@ def write_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tokenizer(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    config = _arch_config(arch, vocab_size, num_experts, top_k, quantizable)
+    config = _arch_config(arch, vocab_size, num_experts, top_k, quantizable, GGUF_WIDE if gguf_experts else None)
     config.bos_token_id = 0
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|end|>")
     torch.manual_seed(seed)
@@ -324,10 +332,16 @@ def write_tiny_model(
 
 
 def tiny_model_dir(
-    arch: str, root: str | Path, *, quantizable: bool = False, progress: TrainingProgress | None = None
+    arch: str,
+    root: str | Path,
+    *,
+    quantizable: bool = False,
+    gguf_experts: bool = False,
+    progress: TrainingProgress | None = None,
 ) -> Path:
-    """``root/<arch>[-q128]-v<GENERATOR_VERSION>``, written on first use."""
-    out = Path(root) / f"{arch}{'-q128' if quantizable else ''}-v{GENERATOR_VERSION}"
+    """``root/<arch>[-q128|-e256]-v<GENERATOR_VERSION>``, written on first use."""
+    suffix = "-q128" if quantizable else "-e256" if gguf_experts else ""
+    out = Path(root) / f"{arch}{suffix}-v{GENERATOR_VERSION}"
     if not (out / "TINY_MODEL.json").exists():
-        write_tiny_model(arch, out, quantizable=quantizable, progress=progress)
+        write_tiny_model(arch, out, quantizable=quantizable, gguf_experts=gguf_experts, progress=progress)
     return out

