@@ -107,3 +107,18 @@ def test_the_readme_table_is_the_committed_measurement() -> None:
     assert replace_readme_section(readme, result, source) == readme, (
         f"README's CPU-methods table is stale: run `python -m vllm_kt_tools.bench.cpu_methods {source}`"
     )
+
+
+def test_doctor_names_the_fastest_method_for_this_cpu(tmp_path: Path) -> None:
+    import kt_kernel
+
+    from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import fastest_here
+    from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
+
+    variant = str(kt_kernel.__cpu_variant__)
+    best = next(s for s in ranking(variant) if kernel_available(s.method))
+    verdict = fastest_here(None)
+    assert f"kt-kernel loads its {variant} kernels here: fastest decode {best.describe()}" in verdict.reason
+    assert ("point KT_WEIGHT_PATH at" in verdict.reason) == (best.method == "LLAMAFILE")
+    gguf = write_random_experts(tmp_path / "m.gguf", [0], 4, 64, 256, "Q8_0")
+    assert "point KT_WEIGHT_PATH at" not in fastest_here(str(gguf)).reason

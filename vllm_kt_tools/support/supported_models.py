@@ -48,7 +48,7 @@ _CHECKS = {
 
 # The kt-kernel methods besides BF16 the tests run per architecture (CPU-build engine tests;
 # GPU: the quantized checkpoints' tests on the GPU host). LLAMAFILE is read from the GGUF
-# test's CASES below, so the column cannot claim a run the tests do not make.
+# test's CASES and SERVED below, so the column cannot claim a run the tests do not make.
 _METHODS = {
     "qwen3_moe": ("AMXINT8", "FP8 (GPU)", "GPTQ_INT4 (GPU)"),
     "mixtral": ("AMXINT4", "AMXINT8"),
@@ -73,7 +73,8 @@ def bf16_runs() -> list[tuple[str, str]]:
 
 def methods_tested(model_type: str) -> str:
     """The kt-kernel methods the tests run on the tiny ``model_type``."""
-    gguf = sorted({case[1] for case in _test_constant(_GGUF_TESTS, "CASES") if case[0] == model_type})
+    cases = _test_constant(_GGUF_TESTS, "CASES") + _test_constant(_GGUF_TESTS, "SERVED")
+    gguf = sorted({case[1] for case in cases if case[0] == model_type})
     llamafile = [f"LLAMAFILE ({', '.join(gguf)} GGUF)"] if gguf else []
     return ", ".join(["BF16", *_METHODS[model_type], *llamafile])
 

@@ -23,7 +23,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import (
     is_gguf_path,
     kt_kernel_path,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import MethodSpeed, gguf_hint, ranking, source
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import pick_fastest, ranking, source
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     ONLINE_ALIGNMENT,
     QUANTIZES_ONLINE,
@@ -205,7 +205,6 @@ class KTKernelExperts(CPUExperts):
 
     @classmethod
     def _auto_method(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[str, str]:
-        variant = str(prepare_kt_kernel().__cpu_variant__)
         gguf = settings.weight_path is not None and is_gguf_path(settings.weight_path)
         if settings.weight_path is not None and not gguf:
             raise KTConfigError(
@@ -215,39 +214,16 @@ class KTKernelExperts(CPUExperts):
                 "KT_METHOD set to the method of those weights, or auto with KT_WEIGHT_PATH unset (the checkpoint) "
                 "or naming GGUF weights",
             )
+        variant = str(prepare_kt_kernel().__cpu_variant__)
         ranked = [s for s in ranking(variant) if kernel_available(s.method)]
         if not ranked:
             raise KTConfigError(
                 "KT_METHOD", "auto", f"the measured table ({source()}) has no row for kt-kernel's {variant} kernels"
             )
-
-        def allowed(speed: MethodSpeed) -> bool:
-            if gguf:  # the weights are GGUF: only LLAMAFILE reads them
-                return speed.method == "LLAMAFILE"
-            # from the checkpoint: BF16 reads it, AMXINT4/AMXINT8 quantize it online
-            return speed.method != "LLAMAFILE" and checkpoint.quant_method is None
-
-        chosen = next((s for s in ranked if allowed(s)), None)
-        fastest = ranked[0]
-        here = f"kt-kernel's {variant} kernels"
-        if chosen is None:  # a quantized checkpoint and no GGUF: the checkpoint's own method, not in the table
-            method = cls.default_method(checkpoint)
-            line = f"KT_METHOD=auto: {method}, the format of this {checkpoint.quant_method} checkpoint's experts"
-        else:
-            method = chosen.method
-            line = f"KT_METHOD=auto: {method}, the fastest on {here} for these weights: {chosen.describe()}"
-        if chosen is not fastest:
-            hint = (
-                gguf_hint(fastest)
-                if fastest.method == "LLAMAFILE"
-                else (
-                    "unset KT_WEIGHT_PATH (the BF16 checkpoint)"
-                    if fastest.method in QUANTIZES_ONLINE | {"BF16"}
-                    else ""
-                )
-            )
-            line += f"; faster here: {fastest.describe()}: {hint}"
-        return method, f"{line} (measured: {source()})"
+        chosen, line = pick_fastest(ranked, variant, gguf=gguf, quantized=checkpoint.quant_method)
+        if chosen is None:  # a quantized checkpoint and no GGUF: its own method, which the table lacks
+            return cls.default_method(checkpoint), line
+        return chosen.method, line
 
     @classmethod
     def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
@@ -374,7 +350,7 @@ class KTKernelExperts(CPUExperts):
     ) -> list[Diagnostic]:
         return [
             check_cpu(settings.method, cpu_flags),
-            fastest_here(),
+            fastest_here(weight_path),
             check_weights(settings.method, weight_path, model_dir),
         ]
 

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, Diagnostic
-from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import gguf_files
-from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import ranking, source
+from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import gguf_files, is_gguf_path
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import gguf_hint, ranking, source
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     QUANTIZES_ONLINE,
     READS_HF_CHECKPOINT,
@@ -91,9 +91,10 @@ def check_cpu(method: str | None, flags: frozenset[str]) -> Diagnostic:
     return Diagnostic("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
 
 
-def fastest_here() -> Diagnostic:
+def fastest_here(weight_path: str | None = None) -> Diagnostic:
     """The fastest method for the kt-kernel variant this CPU loads, from the measured table
-    (``method_speeds``): what KT_METHOD=auto picks where the weights allow it."""
+    (``method_speeds``): what KT_METHOD=auto picks where the weights allow it; where it reads
+    GGUF and ``weight_path`` holds none, what to point KT_WEIGHT_PATH at."""
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
 
     try:
@@ -104,11 +105,14 @@ def fastest_here() -> Diagnostic:
     if not ranked:
         return Diagnostic("fastest", WARN, f"no measured row for kt-kernel's {variant} kernels ({source()})")
     order = "; then ".join(s.describe() for s in ranked[1:])
+    best = ranked[0]
+    missing = best.method == "LLAMAFILE" and not (weight_path and is_gguf_path(weight_path))
     return Diagnostic(
         "fastest",
         OK,
-        f"kt-kernel loads its {variant} kernels here: fastest decode {ranked[0].describe()}; then {order} "
-        f"(KT_METHOD=auto picks the fastest the weights allow; measured: {source()}; "
+        f"kt-kernel loads its {variant} kernels here: fastest decode {best.describe()}"
+        + (f" ({gguf_hint(best)})" if missing else "")
+        + f"; then {order} (KT_METHOD=auto picks the fastest the weights allow; measured: {source()}; "
         "`vllm-kt doctor --measure-methods` measures this machine)",
     )
 

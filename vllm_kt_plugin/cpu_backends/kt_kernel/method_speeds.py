@@ -70,3 +70,29 @@ def gguf_hint(speed: MethodSpeed) -> str:
         f"set KT_METHOD=LLAMAFILE and point KT_WEIGHT_PATH at a {file} GGUF of this model (llama.cpp's "
         "convert_hf_to_gguf.py + llama-quantize, or a published one)"
     )
+
+
+def pick_fastest(
+    ranked: list[MethodSpeed], variant: str, *, gguf: bool, quantized: str | None
+) -> tuple[MethodSpeed | None, str]:
+    """KT_METHOD=auto's pick among ``ranked`` (this variant's runnable rows, fastest first)
+    and its log line. GGUF weights allow LLAMAFILE only; a BF16/FP16 checkpoint allows BF16
+    and AMXINT4/AMXINT8 (quantized online); a ``quantized`` checkpoint none of the table's
+    (None: its own method). Where a faster row needs other weights, the line says which."""
+
+    def allowed(speed: MethodSpeed) -> bool:
+        if gguf:
+            return speed.method == "LLAMAFILE"
+        return speed.method != "LLAMAFILE" and quantized is None
+
+    chosen = next((s for s in ranked if allowed(s)), None)
+    if chosen is None:
+        line = f"KT_METHOD=auto: the {quantized} checkpoint's own method (the measured methods cannot read it)"
+    else:
+        line = f"KT_METHOD=auto: {chosen.method}, the fastest on kt-kernel's {variant} kernels for these weights: "
+        line += chosen.describe()
+    fastest = ranked[0]
+    if chosen is not fastest:
+        hint = gguf_hint(fastest) if fastest.method == "LLAMAFILE" else "unset KT_WEIGHT_PATH, with a BF16 checkpoint"
+        line += f"; faster here: {fastest.describe()}: {hint}"
+    return chosen, f"{line} (measured: {source()})"
