@@ -494,6 +494,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each in its own process; no GPU",
     )
     parser.add_argument(
+        "--repeats", type=int, default=1, help="with --cpu-methods: rounds over all variants (each row keeps its best)"
+    )
+    parser.add_argument(
         "--plugin-table",
         metavar="PATH",
         help="with --cpu-methods: also write the reduced table the plugin ships (KT_METHOD=auto, doctor read it)",
@@ -506,7 +509,7 @@ def run_cpu_methods(args: argparse.Namespace) -> int:
     """--cpu-methods: the method table of this host's CPU variants (``bench.cpu_methods``)."""
     from vllm_kt_tools.bench.cpu_methods import format_table, measure, plugin_table
 
-    report = measure(Path(args.workdir).expanduser() / "cpu-methods", timeout_s=args.timeout)
+    report = measure(Path(args.workdir).expanduser() / "cpu-methods", timeout_s=args.timeout, repeats=args.repeats)
     report["command"] = "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ DECODE_BATCH = "1"  # ranked by batch-1 decode, the latency a single user sees
 @dataclass(frozen=True)
 class MethodSpeed:
     row: str  # e.g. "AMXINT4", "LLAMAFILE Q4_K"
-    batch_ms: dict[str, float]  # median ms per layer by batch size ("1", "16")
+    batch_ms: dict[str, float]  # ms per layer by batch size ("1", "16"): the best of the measured steps
 
     @property
     def method(self) -> str:
