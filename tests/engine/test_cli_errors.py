@@ -78,8 +78,8 @@ def test_a_gguf_that_does_not_match_the_model_stops_vllm_serve(tiny_model, tmp_p
     other refusal of the GGUF check: tests/unit/test_gguf_files.py)."""
     from vllm_kt_tools.support.gguf_export import write_random_experts
 
-    model = tiny_model("qwen3_moe", gguf_experts=True)  # 3 MoE layers, 8 experts, hidden 128, width 256
-    gguf = write_random_experts(tmp_path / "experts-Q8_0.gguf", [0, 1], 8, 128, 256, "Q8_0")
+    model = tiny_model("qwen3_moe", gguf_experts=True)  # 3 MoE layers, 8 experts, hidden 256, width 256
+    gguf = write_random_experts(tmp_path / "experts-Q8_0.gguf", [0, 1], 8, 256, 256, "Q8_0")
     expected = f"KT_WEIGHT_PATH='{gguf}' is invalid (experts-Q8_0.gguf: no blk.2.ffn_gate_exps.weight"
     assert_stops_before_weights(model, {"KT_METHOD": "LLAMAFILE", "KT_WEIGHT_PATH": str(gguf)}, expected)
 

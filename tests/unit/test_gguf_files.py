@@ -17,7 +17,7 @@ from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_tools.support.gguf_export import write_random_experts
 
-H, INTER, E = 64, 256, 4
+H, INTER, E = 256, 256, 4
 LAYERS = [1, 2]  # layer 0 is dense, as in DeepSeek-V3
 HF_CONFIG = {
     "model_type": "qwen3_moe",
@@ -30,7 +30,7 @@ HF_CONFIG = {
     "num_experts": E,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "head_dim": 32,
+    "head_dim": 128,
     "vocab_size": 32,
     "torch_dtype": "bfloat16",
 }
@@ -128,13 +128,17 @@ def test_a_folder_without_gguf_names_its_subfolders(tmp_path: Path) -> None:
     assert "its subfolders Q4_K_M do" in refusal(tmp_path)
 
 
-def test_the_expert_width_must_be_a_multiple_of_256() -> None:
+@pytest.mark.parametrize(
+    ("hidden", "width", "named"), [(256, 64, "moe_intermediate_size 64"), (384, 256, "hidden_size 384")]
+)
+def test_the_sizes_must_be_multiples_of_256(hidden: int, width: int, named: str) -> None:
     with pytest.raises(KTConfigError) as caught:
-        check_alignment("LLAMAFILE", 128, 64)
-    assert str(caught.value).startswith("KT_METHOD='LLAMAFILE' is invalid (kt-kernel's LLAMAFILE needs an expert")
-    assert "multiple of 256; this model has 64" in str(caught.value)
+        check_alignment("LLAMAFILE", hidden, width)
+    assert str(caught.value).startswith("KT_METHOD='LLAMAFILE' is invalid (kt-kernel's LLAMAFILE needs a hidden")
+    assert f"multiples of 256; this model has {named})" in str(caught.value)
+    check_alignment("LLAMAFILE", 512, 768)
     with pytest.raises(KTConfigError, match="KT_THREADPOOL_COUNT='2'"):
-        check_alignment("LLAMAFILE", 128, 256, pools=2)
+        check_alignment("LLAMAFILE", 256, 256, pools=2)
 
 
 def test_kt_kernel_gets_exactly_the_models_files(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 EXPERTS, HIDDEN, WIDTH, TOP_K = 8, 256, 256, 2
 
 
-def relative_errors(workdir: str, types: list[str]) -> dict[str, Any]:
+def relative_errors(workdir: str, types: list[str], hidden: int = HIDDEN) -> dict[str, Any]:
     """Per type, the relative error of the layer's output at 1 and 16 tokens (this process's
-    kt-kernel variant; runs in the child)."""
+    kt-kernel variant, a layer of ``hidden``; runs in the child)."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -26,7 +26,7 @@ def relative_errors(workdir: str, types: list[str]) -> dict[str, Any]:
     kt_kernel = prepare_kt_kernel()
     out: dict[str, Any] = {"variant": str(kt_kernel.__cpu_variant__), "errors": {}}
     for type_name in types:
-        path = write_random_experts(Path(workdir) / f"{type_name}.gguf", [0], EXPERTS, HIDDEN, WIDTH, type_name, seed=1)
+        path = write_random_experts(Path(workdir) / f"{type_name}.gguf", [0], EXPERTS, hidden, WIDTH, type_name, seed=1)
         weights = {
             t.name.split(".")[2].split("_")[1]: dequantize(t.data, t.tensor_type).reshape(EXPERTS, -1, int(t.shape[0]))
             for t in GGUFReader(path).tensors
@@ -35,7 +35,7 @@ def relative_errors(workdir: str, types: list[str]) -> dict[str, Any]:
             layer_idx=0,
             num_experts=EXPERTS,
             num_experts_per_tok=TOP_K,
-            hidden_size=HIDDEN,
+            hidden_size=hidden,
             moe_intermediate_size=WIDTH,
             gpu_experts_mask=torch.zeros(EXPERTS, dtype=torch.bool),
             cpuinfer_threads=1,
@@ -49,12 +49,12 @@ def relative_errors(workdir: str, types: list[str]) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(0)
         errors = []
         for n in (1, 16):
-            x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+            x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(n)])
             scores = torch.rand(n, TOP_K, generator=gen)
             wrapper.submit_forward(x, ids, scores, 0)
             got = wrapper.sync_forward(x, 0).float().numpy()
-            want = np.zeros((n, HIDDEN), dtype=np.float32)
+            want = np.zeros((n, hidden), dtype=np.float32)
             for t in range(n):
                 xt = x[t].float().numpy()
                 for k in range(TOP_K):

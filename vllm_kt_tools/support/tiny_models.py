@@ -71,8 +71,9 @@ _COMMON: dict[str, Any] = {
 QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
-# GGUF experts (kt-kernel's LLAMAFILE): expert widths in whole 256-wide K-quant blocks.
-GGUF_WIDE = {"moe_intermediate_size": 256}
+# GGUF experts (kt-kernel's LLAMAFILE): hidden size and expert width in whole 256-wide blocks
+# (its llamafile kernels return zeros for hidden 128 and wrong sums for 384: measured).
+GGUF_WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}
 
 
 def _arch_config(
@@ -81,9 +82,10 @@ def _arch_config(
     import transformers
 
     wide = wide if wide is not None else QUANTIZABLE if quantizable else {}
+    common = {**_COMMON, "hidden_size": wide.get("hidden_size", _COMMON["hidden_size"])}
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **_COMMON,
+            **common,
             vocab_size=vocab_size,
             head_dim=wide.get("head_dim", 32),
             num_experts=num_experts,
@@ -104,7 +106,7 @@ def _arch_config(
             num_experts_per_tok=top_k,
         )
     if arch == "deepseek_v3":
-        common = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+        common = {k: v for k, v in common.items() if k != "num_key_value_heads"}
         return transformers.DeepseekV3Config(
             **common,
             vocab_size=vocab_size,
@@ -339,8 +341,8 @@ def tiny_model_dir(
     gguf_experts: bool = False,
     progress: TrainingProgress | None = None,
 ) -> Path:
-    """``root/<arch>[-q128|-e256]-v<GENERATOR_VERSION>``, written on first use."""
-    suffix = "-q128" if quantizable else "-e256" if gguf_experts else ""
+    """``root/<arch>[-q128|-gguf]-v<GENERATOR_VERSION>``, written on first use."""
+    suffix = "-q128" if quantizable else "-gguf" if gguf_experts else ""
     out = Path(root) / f"{arch}{suffix}-v{GENERATOR_VERSION}"
     if not (out / "TINY_MODEL.json").exists():
         write_tiny_model(arch, out, quantizable=quantizable, gguf_experts=gguf_experts, progress=progress)

@@ -112,17 +112,24 @@ def check_alignment(
     method: str, hidden_size: int, intermediate_size: int, *, auto: bool = False, pools: int = 1
 ) -> None:
     """kt-kernel's AMX kernels tile the hidden and expert-intermediate sizes; other sizes fail
-    in its C++ ("n or k is not aligned") or crash. LLAMAFILE splits the expert width into
-    256-wide blocks, at least one per thread pool (else kt-kernel raises after vLLM loaded
-    the GPU weights). The refusal names what does fit."""
+    in its C++ ("n or k is not aligned") or crash. LLAMAFILE computes in 256-wide blocks:
+    other expert widths kt-kernel refuses after vLLM loaded the GPU weights, other hidden
+    sizes it computes wrongly without an error (zeros at 128 and 192, wrong sums at 384 and
+    640: measured, tests/unit/test_llamafile_types.py), and each thread pool needs one
+    block of the width. The refusal names what does fit."""
     value = f"auto (which picked {method})" if auto else method
     if method == "LLAMAFILE":
-        if intermediate_size % LLAMAFILE_BLOCK:
+        misfits = [
+            f"{name} {size}"
+            for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size))
+            if size % LLAMAFILE_BLOCK
+        ]
+        if misfits:
             raise KTConfigError(
                 "KT_METHOD",
                 value,
-                f"kt-kernel's LLAMAFILE needs an expert intermediate size (moe_intermediate_size) that is a multiple "
-                f"of {LLAMAFILE_BLOCK}; this model has {intermediate_size}",
+                f"kt-kernel's LLAMAFILE needs a hidden size and an expert intermediate size (moe_intermediate_size) "
+                f"that are multiples of {LLAMAFILE_BLOCK}; this model has {' and '.join(misfits)}",
                 "a method that reads the checkpoint (unset KT_METHOD), or AMXINT4/AMXINT8 where the sizes fit",
             )
         if intermediate_size // LLAMAFILE_BLOCK < pools:
