@@ -22,12 +22,18 @@ pytestmark = [pytest.mark.engine, requires_kernel("LLAMAFILE")]
 
 # Bounds per GGML type, against plain vLLM (BF16 experts) on the same checkpoint, 5 prompts x
 # 24 greedy tokens: the largest chosen-token logprob drift (teacher forcing past a parting,
-# ``logprob_drift``), how many completions part somewhere, how many first tokens differ.
-# Measured on the 2-core AMX box (kt-kernel amx kernels), 2026-12-06,
-# `pytest -s tests/engine/test_gguf_e2e.py` (it prints them): MEASURED.
-DRIFT_BOUND = {"Q8_0": 1.0, "Q4_0": 3.0}
-PARTED_BOUND = {"Q8_0": 5, "Q4_0": 5}
-FIRST_TOKEN_BOUND = {"Q8_0": 5, "Q4_0": 5}
+# ``logprob_drift``; through the server: while the tokens agree), how many completions part
+# somewhere, how many first tokens differ. Measured on the 2-core AMX box (kt-kernel amx
+# kernels), 2026-12-06, `pytest -s tests/engine/test_gguf_e2e.py` (it prints them):
+#   Q8_0: qwen3_moe direct 0.0001, deepseek_v3 served 0.0235; no parting, no first token differs;
+#   Q4_0: deepseek_v3 direct 0.0625, qwen3_moe served 0.0004; no parting, no first token differs;
+#   the permuted Q8_0 GGUF (negative control): 11.88, all 5 part at their first token.
+# Bounds: twice the larger drift of each type (other kt-kernel builds and batch compositions
+# round otherwise); no parting for Q8_0; for Q4_0 one completion may part, at its first token
+# too (4-bit rounding can flip a near-tie the trained models do not show today).
+DRIFT_BOUND = {"Q8_0": 0.05, "Q4_0": 0.125}
+PARTED_BOUND = {"Q8_0": 0, "Q4_0": 1}
+FIRST_TOKEN_BOUND = {"Q8_0": 0, "Q4_0": 1}
 LOADED = "CPU experts (LLAMAFILE"  # the backend's load line (backend.py): the GGUF was read
 
 

@@ -17,10 +17,11 @@ from vllm_kt_tools.support.gguf_export import export_gguf
 pytest.importorskip("kt_kernel")
 
 LAYER = 1
-# Measured 2026-12-06 on the AMX box (kt-kernel amx kernels), tiny Qwen3-MoE with 256-wide
-# experts, 16 tokens: Q8_0 0.009, Q4_0 0.11 relative error against the BF16 experts (Q8_0:
-# llamafile's 8-bit activations; Q4_0: the weights' own 4-bit rounding). Bounds: about twice.
-BOUNDS = {"Q8_0": 0.02, "Q4_0": 0.25}
+# Measured 2026-12-06 on the AMX box (kt-kernel amx kernels), tiny Qwen3-MoE (hidden and
+# expert width 256), 16 tokens, `pytest -s tests/unit/test_gguf_export.py`: Q8_0 0.0097, Q4_0
+# 0.085 relative error against the BF16 experts (Q8_0: llamafile's 8-bit activations; Q4_0:
+# the weights' own 4-bit rounding); permuted 1.20. Bounds: twice the measured.
+BOUNDS = {"Q8_0": 0.02, "Q4_0": 0.17}
 
 
 @pytest.fixture(scope="module")
