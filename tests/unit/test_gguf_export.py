@@ -40,7 +40,12 @@ def layer_output(gguf: Path, model: Path, x: torch.Tensor, ids: torch.Tensor, we
     from vllm_kt_plugin.settings.model_memory import expert_shape
 
     shape = expert_shape(json.loads((model / "config.json").read_text()))
-    wrapper = prepare_kt_kernel().KTMoEWrapper(
+    kt_kernel = prepare_kt_kernel()
+    # kt-kernel keeps one input/output buffer per batch size per process, whatever the hidden
+    # size (a process serves one model): other tests here ran other hidden sizes
+    buffers = kt_kernel.experts_base.KExpertsCPUBuffer
+    buffers.temp_bs, buffers.capture_buffers = 0, {}
+    wrapper = kt_kernel.KTMoEWrapper(
         layer_idx=LAYER,
         num_experts=shape.num_experts,
         num_experts_per_tok=ids.shape[1],
