@@ -66,7 +66,10 @@ def write_weights(workdir: Path) -> dict[str, str]:
     from vllm_kt_tools.support.quantized_checkpoints import write_dummy_experts
 
     e, h, i = SHAPE["num_experts"], SHAPE["hidden"], SHAPE["inter"]
-    paths = {"BF16": str(write_dummy_experts(workdir / "bf16", "BF16", [0], e, h, i))}
+    paths = {
+        "BF16": str(write_dummy_experts(workdir / "bf16", "BF16", [0], e, h, i)),
+        "online": str(workdir / "online"),
+    }
     for name, _, ggml_type in METHODS:
         if ggml_type is None:
             continue
@@ -81,7 +84,7 @@ def write_weights(workdir: Path) -> dict[str, str]:
     return paths
 
 
-def _layer(method: str, weight_path: str | None, threads: int) -> Any:
+def _layer(method: str, weight_path: str | None, threads: int, online_dir: str) -> Any:
     import torch
 
     from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
@@ -97,7 +100,7 @@ def _layer(method: str, weight_path: str | None, threads: int) -> Any:
         gpu_experts_mask=torch.zeros(e, dtype=torch.bool),
         cpuinfer_threads=threads,
         threadpool_count=1,
-        weight_path=weight_path or "",
+        weight_path=weight_path or online_dir,  # AMXINT4/AMXINT8 write their quantized experts there
         chunked_prefill_size=CHUNK,
         method=method,
     )
@@ -132,7 +135,8 @@ def time_variant(weights: dict[str, str], threads: int) -> dict[str, Any]:
         started = time.perf_counter()
         online = method in ("AMXINT4", "AMXINT8")  # quantized in this process, from BF16 tensors
         try:
-            wrapper, keep = _layer(method, None if online else weights[name], threads)
+            scratch = f"{weights['online']}/{out['variant']}-{method}"  # kt-kernel writes here (not the cwd)
+            wrapper, keep = _layer(method, None if online else weights[name], threads, scratch)
         except Exception as exc:  # kt-kernel refused this method in this variant: recorded, not fatal
             out["methods"][name] = {"skipped": f"kt-kernel failed to load it: {str(exc).splitlines()[0]}"}
             print(f"[cpu-methods] {out['variant']} {name}: {out['methods'][name]}", flush=True)
