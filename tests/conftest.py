@@ -21,13 +21,14 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_model(arch)`` -> directory of a trained tiny checkpoint of that arch
-    (``quantizable=True``: its variant with every linear width a multiple of 128)."""
+    (``quantizable=True``: its variant with every linear width a multiple of 128;
+    ``gguf_experts=True``: with 256-wide experts, which kt-kernel's LLAMAFILE needs)."""
     from vllm_kt_tools.support.tiny_models import tiny_model_dir
 
     root = _cache_root(tmp_path_factory)
 
-    def get(arch: str, *, quantizable: bool = False) -> Path:
-        return tiny_model_dir(arch, root, quantizable=quantizable)
+    def get(arch: str, *, quantizable: bool = False, gguf_experts: bool = False) -> Path:
+        return tiny_model_dir(arch, root, quantizable=quantizable, gguf_experts=gguf_experts)
 
     return get
 

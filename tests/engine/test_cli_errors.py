@@ -72,6 +72,18 @@ def test_an_unsupported_architecture_stops_vllm_serve(tiny_model, tmp_path) -> N
     assert_stops_before_weights(tmp_path, {"KT_BACKEND": "torch"}, expected)
 
 
+def test_a_gguf_that_does_not_match_the_model_stops_vllm_serve(tiny_model, tmp_path) -> None:
+    """KT_METHOD=LLAMAFILE with a GGUF that lacks the model's last MoE layer: refused from the
+    GGUF's header in the API-server process, the line naming the file and the tensor (each
+    other refusal of the GGUF check: tests/unit/test_gguf_files.py)."""
+    from vllm_kt_tools.support.gguf_export import write_random_experts
+
+    model = tiny_model("qwen3_moe", gguf_experts=True)  # 3 MoE layers, 8 experts, hidden 256, width 256
+    gguf = write_random_experts(tmp_path / "experts-Q8_0.gguf", [0, 1], 8, 256, 256, "Q8_0")
+    expected = f"KT_WEIGHT_PATH='{gguf}' is invalid (experts-Q8_0.gguf: no blk.2.ffn_gate_exps.weight"
+    assert_stops_before_weights(model, {"KT_METHOD": "LLAMAFILE", "KT_WEIGHT_PATH": str(gguf)}, expected)
+
+
 def assert_stops_before_weights(model, settings: dict[str, str], expected: str) -> None:
     """Refused in the API-server process (no engine core ever starts), and the last line of
     the output is the refusal, naming the variable; the time to it is printed (-s)."""

@@ -125,7 +125,9 @@ def test_amx_weights_in_kt_layout(tmp_path: Path) -> None:
     [
         ("AMXINT4", "model.safetensors", OK),  # kt quant's merged output
         ("AMXINT4", "model.gguf", ERROR),
-        ("LLAMAFILE", "sub/model-Q4_K_M.gguf", OK),
+        ("LLAMAFILE", "model-Q4_K_M.gguf", OK),
+        # kt-kernel reads the .gguf files directly in the folder, not in subfolders
+        ("LLAMAFILE", "sub/model-Q4_K_M.gguf", ERROR),
         ("LLAMAFILE", "model.safetensors", ERROR),
         ("BF16", "model-00001.safetensors", OK),
         ("FP8", "model.gguf", ERROR),
@@ -260,7 +262,19 @@ def test_doctor_command_on_this_machine() -> None:
     )
     lines = proc.stdout.splitlines()
     verdict_of = {line.split()[1]: line.split()[0] for line in lines[:-1]}
-    assert set(verdict_of) == {"settings", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"}
+    assert set(verdict_of) == {
+        "settings",
+        "cpu",
+        "fastest",
+        "threads",
+        "numa",
+        "kt-kernel",
+        "vllm",
+        "torch",
+        "weights",
+        "ram",
+    }
+    assert verdict_of["fastest"] == OK and "fastest decode" in proc.stdout  # the measured table's line
     has_amx = {"amx_tile", "amx_int8"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
     has_avx512 = {"avx512f", "avx512bw"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
     assert verdict_of["cpu"] == (OK if has_amx else WARN if has_avx512 else ERROR), proc.stdout

@@ -100,6 +100,11 @@ class CPUExperts(ABC):
         """KT_METHOD to use when the user sets none."""
 
     @classmethod
+    def resolve_method(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> KTSettings:
+        """The settings with KT_METHOD decided: as set, else ``default_method``."""
+        return settings.with_method(settings.method or cls.default_method(checkpoint))
+
+    @classmethod
     @abstractmethod
     def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
         """Config-time checks; raise KTConfigError naming the variable on a mistake."""

@@ -34,7 +34,7 @@ def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSet
     """The settings with KT_METHOD resolved for the checkpoint, and their backend, checked
     against the checkpoint's format (no model config needed yet)."""
     backend = backend_class(settings.backend)
-    settings = settings.with_method(settings.method or backend.default_method(checkpoint))
+    settings = backend.resolve_method(settings, checkpoint)
     backend.validate(settings, checkpoint)
     if settings.dynamic_gpu_experts and not backend.can_move_experts(settings):
         raise KTConfigError(

@@ -54,6 +54,9 @@ KT_METHODS = (
     "MOE_INT8",
 )
 
+# KT_METHOD=auto (as the parser upper-cases it): the backend picks the method.
+AUTO_METHOD = "AUTO"
+
 # kt-kernel methods whose experts kt-kernel writes back in the layout of vLLM's Triton MoE
 # kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer), with the checkpoint format
 # they are that layout of: BF16 of unquantized checkpoints, FP8 (with its 128 x 128 block
@@ -200,6 +203,14 @@ def existing_directory(raw: str) -> str:
     return str(path.resolve())
 
 
+def existing_weight_path(raw: str) -> str:
+    """A directory, or a .gguf file (LLAMAFILE reads one file, or a split set from its first)."""
+    path = Path(raw).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.resolve())
+    return existing_directory(raw)
+
+
 def writable_directory(raw: str) -> str:
     """Created now: one that cannot be written would otherwise fail only after vLLM has
     loaded every GPU weight and quantized the first layer."""
@@ -248,8 +259,10 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "KT_METHOD",
-        "from the checkpoint (BF16 for unquantized, FP8 / FP8_PERCHANNEL / GPTQ_INT4 / RAWINT4)",
-        f"a kt-kernel inference method ({', '.join(KT_METHODS)}); torch backend: BF16",
+        "from the checkpoint (BF16 for unquantized, FP8 / FP8_PERCHANNEL / GPTQ_INT4 / RAWINT4); LLAMAFILE when "
+        "KT_WEIGHT_PATH names GGUF weights",
+        f"a kt-kernel inference method ({', '.join(KT_METHODS)}), or auto (the fastest measured on this CPU's "
+        "kt-kernel variant that these weights allow); torch backend: BF16",
         "how the CPU experts are stored and computed",
         upper,
         None,
@@ -258,9 +271,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "KT_WEIGHT_PATH",
         "the model directory, for methods that read the Hugging Face checkpoint",
-        "an existing directory holding the CPU expert weights in KT_METHOD's format",
+        "an existing directory holding the CPU expert weights in KT_METHOD's format; for LLAMAFILE also a .gguf file "
+        "(the first of a llama.cpp split set reads the whole set)",
         "where kt-kernel reads the CPU experts",
-        existing_directory,
+        existing_weight_path,
         None,
         "weight_path",
     ),

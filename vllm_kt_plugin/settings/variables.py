@@ -130,7 +130,8 @@ class KTSettings:
     model or on vLLM", resolved by the ``resolve_*`` helpers once that is known."""
 
     backend: str = _unset("KT_BACKEND")
-    method: str | None = _unset("KT_METHOD")
+    method: str | None = _unset("KT_METHOD")  # AUTO until the backend picks one (auto_method then says so)
+    auto_method: bool = False  # method was picked by KT_METHOD=auto
     weight_path: str | None = _unset("KT_WEIGHT_PATH")
     num_gpu_experts: int = _unset("KT_NUM_GPU_EXPERTS")
     cpuinfer_threads: int = 1
@@ -225,8 +226,8 @@ class KTSettings:
             numa_nodes=numa_nodes_for(self.threadpool_count, numa_nodes, share),
         )
 
-    def with_method(self, method: str) -> KTSettings:
-        return replace(self, method=method)
+    def with_method(self, method: str, *, auto: bool = False) -> KTSettings:
+        return replace(self, method=method, auto_method=auto or self.auto_method)
 
     def check_model(self, num_experts: int, top_k: int) -> None:
         """Checks that need the model's expert count and top-k (known from its config)."""
@@ -273,7 +274,7 @@ class KTSettings:
             nodes = f"NUMA nodes {list(self.numa_nodes)}" if self.numa_nodes else "NUMA nodes shared"
             host = f" ({self.host_share.describe()}, {nodes})"
         return (
-            f"backend={self.backend} method={self.method} gpu_experts={gpu} "
+            f"backend={self.backend} method={self.method}{' (auto)' if self.auto_method else ''} gpu_experts={gpu} "
             f"placement={self.expert_placement} "
             f"threads={self.cpuinfer_threads}{host} pools={self.threadpool_count} "
             f"weight_path={self.weight_path or '<model dir>'}" + (f" preset={self.preset}" if self.preset else "")

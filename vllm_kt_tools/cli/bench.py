@@ -605,11 +605,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --layer-only: per-layer time of the CPU path, the whole-layer stream, the split and the split with "
         "the FP8 host copy, 128 to 16,384 tokens (docs/split.md), instead of the layer benchmark",
     )
+    parser.add_argument(
+        "--cpu-methods",
+        action="store_true",
+        help="instead of a sitting: one Qwen3-30B-A3B MoE layer's decode time (batch 1, 16) for BF16, AMXINT4, "
+        "AMXINT8 and LLAMAFILE Q4_K/Q8_0, in every kt-kernel CPU variant this host runs (KT_KERNEL_CPU_VARIANT), "
+        "each in its own process; no GPU",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="with --cpu-methods: rounds over all variants (each row keeps its best)"
+    )
+    parser.add_argument(
+        "--plugin-table",
+        metavar="PATH",
+        help="with --cpu-methods: also write the reduced table the plugin ships (KT_METHOD=auto, doctor read it)",
+    )
     parser.add_argument("--load-input-len", type=int, default=128, help="--load: prompt tokens")
     parser.add_argument("--load-output-len", type=int, default=16, help="--load: new tokens per request")
 
 
+def run_cpu_methods(args: argparse.Namespace) -> int:
+    """--cpu-methods: the method table of this host's CPU variants (``bench.cpu_methods``)."""
+    from vllm_kt_tools.bench.cpu_methods import format_table, measure, plugin_table
+
+    report = measure(Path(args.workdir).expanduser() / "cpu-methods", timeout_s=args.timeout, repeats=args.repeats)
+    report["command"] = "vllm-kt bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    print(f"[bench] written to {out}")
+    if args.plugin_table:
+        Path(args.plugin_table).write_text(json.dumps(plugin_table(report, str(out)), indent=2) + "\n")
+        print(f"[bench] plugin table written to {args.plugin_table}")
+    return 0 if all("methods" in r for r in report["variants"].values()) else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cpu_methods:
+        return run_cpu_methods(args)
     process_groups.install_handlers()  # SIGTERM/SIGINT/exit stop every system's process group
     report = run_sitting(args)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))

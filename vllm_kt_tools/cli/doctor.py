@@ -15,7 +15,7 @@ import importlib.metadata
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, CheckpointFormat, 
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.serve_checks import check_serving
 from vllm_kt_plugin.planning.gpu_budget import measured_device_capability
-from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
@@ -236,15 +236,21 @@ def read_model_config(model_dir: str | None) -> tuple[dict[str, Any] | None, Dia
         )
 
 
-def default_method(backend: str, model_config: Mapping[str, Any] | None) -> str | None:
-    """KT_METHOD when unset: what ``backend`` picks for this checkpoint."""
-    if model_config is None:
-        return None
-    quant = model_config.get("quantization_config") or {}
+def resolved_method(settings: KTSettings, model_config: Mapping[str, Any] | None) -> KTSettings:
+    """The settings with KT_METHOD decided as serve decides it (unset: the checkpoint's, or
+    LLAMAFILE for GGUF weights; auto: the fastest the weights allow); left undecided where
+    that needs the checkpoint and no --model was given, or where serve would refuse (the
+    serve and settings checks say why)."""
+    quant = (model_config or {}).get("quantization_config") or {}
     try:
-        return backend_class(backend).default_method(CheckpointFormat(quant.get("quant_method"), quant))
+        resolved = backend_class(settings.backend).resolve_method(
+            settings, CheckpointFormat(quant.get("quant_method"), quant)
+        )
     except KTConfigError:
-        return None
+        return replace(settings, method=None) if settings.method == AUTO_METHOD else settings
+    if settings.method is None and model_config is None and resolved.method != "LLAMAFILE":
+        return settings  # the checkpoint's format is unknown without --model
+    return resolved
 
 
 def check_serve(env: Mapping[str, str], system: SystemInfo, model_dir: str) -> list[Diagnostic]:
@@ -270,7 +276,7 @@ def run_checks(
     share = host_share(pipeline_parallel_size, tensor_parallel_size, 1, 0)
     settings_verdicts, settings = check_settings(env, system, share)
     model_config, model_error = read_model_config(model_dir)
-    settings = settings.with_method(settings.method or default_method(settings.backend, model_config))
+    settings = resolved_method(settings, model_config)
     # A KT_WEIGHT_PATH the settings refused is still looked at, to say what is wrong with it.
     weight_path = settings.weight_path or (env.get("KT_WEIGHT_PATH") or "").strip() or None
     settings_ok = all(v.level != ERROR for v in settings_verdicts)
@@ -336,8 +342,31 @@ def doctor(
     return 1 if any(v.level == ERROR for v in verdicts) else 0
 
 
+def measure_methods(workdir: str) -> int:
+    """--measure-methods: time the methods on this CPU's own kt-kernel variant now (minutes;
+    the default report reads the committed table instead, and stays instant)."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+    from vllm_kt_tools.bench.cpu_methods import format_table, measure
+
+    variant = str(prepare_kt_kernel().__cpu_variant__)
+    print(f"measuring one Qwen3-30B-A3B MoE layer with kt-kernel's {variant} kernels (a few minutes) ...", flush=True)
+    report = measure(Path(workdir).expanduser(), [variant])
+    print(format_table(report))
+    best = report["fastest"].get(variant, {})
+    if not best:
+        return 1
+    print(f"fastest here: {best['batch_1']} at batch 1, {best['batch_16']} at batch 16")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory; its config.json sizes the CPU experts for the RAM check")
+    parser.add_argument(
+        "--measure-methods",
+        action="store_true",
+        help="time BF16, AMXINT4, AMXINT8 and LLAMAFILE (Q4_K, Q8_0 GGUF) on one Qwen3-30B-A3B MoE layer with this "
+        "CPU's kt-kernel kernels (minutes; without it doctor reads the measured table shipped with the plugin)",
+    )
     parser.add_argument("--tensor-parallel-size", type=_positive, default=1, help="as given to vllm serve (default 1)")
     parser.add_argument(
         "--pipeline-parallel-size",
@@ -358,6 +387,10 @@ def _positive(raw: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.measure_methods:
+        from vllm_kt_plugin.settings.catalogue import cache_root
+
+        return measure_methods(str(cache_root() / "bench" / "cpu-methods"))
     return doctor(
         args.model,
         tensor_parallel_size=args.tensor_parallel_size,

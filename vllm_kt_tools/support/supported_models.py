@@ -46,12 +46,37 @@ _CHECKS = {
 }
 
 
+# The kt-kernel methods besides BF16 the tests run per architecture (CPU-build engine tests;
+# GPU: the quantized checkpoints' tests on the GPU host). LLAMAFILE is read from the GGUF
+# test's CASES and SERVED below, so the column cannot claim a run the tests do not make.
+_METHODS = {
+    "qwen3_moe": ("AMXINT8", "FP8 (GPU)", "GPTQ_INT4 (GPU)"),
+    "mixtral": ("AMXINT4", "AMXINT8"),
+    "deepseek_v3": ("FP8 (GPU)", "RAWINT4 (GPU)"),
+    "glm4_moe": (),
+    "qwen2_moe": (),
+}
+_GGUF_TESTS = ROOT / "tests" / "engine" / "test_gguf_e2e.py"
+
+
+def _test_constant(path: Path, name: str) -> list:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise LookupError(f"{path} has no {name}")
+
+
 def bf16_runs() -> list[tuple[str, str]]:
     """The end-to-end test's ``BF16_RUNS`` (arch, placement), read from its source."""
-    for node in ast.parse(_E2E_TESTS.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BF16_RUNS" for t in node.targets):
-            return [tuple(run) for run in ast.literal_eval(node.value)]
-    raise LookupError(f"{_E2E_TESTS} has no BF16_RUNS")
+    return [tuple(run) for run in _test_constant(_E2E_TESTS, "BF16_RUNS")]
+
+
+def methods_tested(model_type: str) -> str:
+    """The kt-kernel methods the tests run on the tiny ``model_type``."""
+    cases = _test_constant(_GGUF_TESTS, "CASES") + _test_constant(_GGUF_TESTS, "SERVED")
+    gguf = sorted({case[1] for case in cases if case[0] == model_type})
+    llamafile = [f"LLAMAFILE ({', '.join(gguf)} GGUF)"] if gguf else []
+    return ", ".join(["BF16", *_METHODS[model_type], *llamafile])
 
 
 def how_checked(model_type: str) -> str:
@@ -65,6 +90,7 @@ class Row:
     module: str
     status: str
     detail: str  # how it is checked, or the refusal
+    methods: str = ""  # the kt-kernel methods the tests run (served rows)
 
 
 def _module_name(module: str) -> str:
@@ -129,7 +155,8 @@ def rows() -> list[Row]:
     for arch, module in moe_architectures().items():
         refusal = architecture_refusal({"architectures": [arch]})
         if arch in served:
-            result.append(Row(arch, module, SERVED, f"tiny `{served[arch]}`: {how_checked(served[arch])}"))
+            detail = f"tiny `{served[arch]}`: {how_checked(served[arch])}"
+            result.append(Row(arch, module, SERVED, detail, methods_tested(served[arch])))
         elif refusal is not None:
             result.append(Row(arch, module, REFUSED, refusal.split(": ", 1)[1]))
         else:
@@ -140,8 +167,11 @@ def rows() -> list[Row]:
 
 
 def _table(selected: list[Row]) -> list[str]:
-    lines = ["| architecture | vLLM module | kt-hybrid | how we know |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{r.architecture}` | `{r.module}` | {r.status} | {r.detail} |" for r in selected]
+    lines = [
+        "| architecture | vLLM module | kt-hybrid | kt-kernel methods tested | how we know |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [f"| `{r.architecture}` | `{r.module}` | {r.status} | {r.methods} | {r.detail} |" for r in selected]
     return lines
 
 
@@ -178,7 +208,12 @@ def docs_page() -> str:
             f"{counts[NOT_CHECKED]} not checked.",
             "",
             "- **served**: a tiny model of the architecture, trained on the spot, gives plain vLLM's greedy tokens "
-            "through kt-hybrid (`tests/engine/test_engine_e2e.py`; the column says what else is checked).",
+            "through kt-hybrid (`tests/engine/test_engine_e2e.py`; the last column says what else is checked).",
+            "- **kt-kernel methods tested**: the `KT_METHOD`s the tests run on that tiny model: BF16 everywhere, "
+            "AMXINT4/AMXINT8 quantized online, LLAMAFILE from GGUF experts exported in the test "
+            "(`tests/engine/test_gguf_e2e.py`), the quantized checkpoints' own methods on the GPU host. Which "
+            "method is fastest depends on the CPU, not the model: `vllm-kt doctor` names it, `KT_METHOD=auto` "
+            "picks it (README, CPUs without AMX).",
             "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads "
             "(`vllm_kt_plugin/architectures.py`; the column gives the reason).",
             "- **not checked**: nothing here says whether kt-hybrid serves it. Its MoE layers are refused when "

@@ -71,13 +71,21 @@ _COMMON: dict[str, Any] = {
 QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
-def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False) -> Any:
+# GGUF experts (kt-kernel's LLAMAFILE): hidden size and expert width in whole 256-wide blocks
+# (its llamafile kernels return zeros for hidden 128 and wrong sums for 384: measured).
+GGUF_WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}
+
+
+def _arch_config(
+    arch: str, vocab_size: int, num_experts: int, top_k: int, quantizable: bool = False, wide: dict | None = None
+) -> Any:
     import transformers
 
-    wide = QUANTIZABLE if quantizable else {}
+    wide = wide if wide is not None else QUANTIZABLE if quantizable else {}
+    common = {**_COMMON, "hidden_size": wide.get("hidden_size", _COMMON["hidden_size"])}
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **_COMMON,
+            **common,
             vocab_size=vocab_size,
             head_dim=wide.get("head_dim", 32),
             num_experts=num_experts,
@@ -98,7 +106,7 @@ def _arch_config(arch: str, vocab_size: int, num_experts: int, top_k: int, quant
             num_experts_per_tok=top_k,
         )
     if arch == "deepseek_v3":
-        common = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+        common = {k: v for k, v in common.items() if k != "num_key_value_heads"}
         return transformers.DeepseekV3Config(
             **common,
             vocab_size=vocab_size,
@@ -289,10 +297,12 @@ def write_tiny_model(
     seed: int = 0,
     train_steps: int = 600,
     quantizable: bool = False,
+    gguf_experts: bool = False,
     progress: TrainingProgress | None = None,
 ) -> Path:
     """Write a tiny ``arch`` MoE checkpoint (BF16 safetensors + tokenizer) to ``out_dir``;
-    ``quantizable``: with the ``QUANTIZABLE`` shapes; ``progress``: told of the training."""
+    ``quantizable``: with the ``QUANTIZABLE`` shapes; ``gguf_experts``: 256-wide experts
+    (``GGUF_WIDE``); ``progress``: told of the training."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -301,7 +311,7 @@ def write_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tokenizer(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    config = _arch_config(arch, vocab_size, num_experts, top_k, quantizable)
+    config = _arch_config(arch, vocab_size, num_experts, top_k, quantizable, GGUF_WIDE if gguf_experts else None)
     config.bos_token_id = 0
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|end|>")
     torch.manual_seed(seed)
@@ -324,10 +334,16 @@ def write_tiny_model(
 
 
 def tiny_model_dir(
-    arch: str, root: str | Path, *, quantizable: bool = False, progress: TrainingProgress | None = None
+    arch: str,
+    root: str | Path,
+    *,
+    quantizable: bool = False,
+    gguf_experts: bool = False,
+    progress: TrainingProgress | None = None,
 ) -> Path:
-    """``root/<arch>[-q128]-v<GENERATOR_VERSION>``, written on first use."""
-    out = Path(root) / f"{arch}{'-q128' if quantizable else ''}-v{GENERATOR_VERSION}"
+    """``root/<arch>[-q128|-gguf]-v<GENERATOR_VERSION>``, written on first use."""
+    suffix = "-q128" if quantizable else "-gguf" if gguf_experts else ""
+    out = Path(root) / f"{arch}{suffix}-v{GENERATOR_VERSION}"
     if not (out / "TINY_MODEL.json").exists():
-        write_tiny_model(arch, out, quantizable=quantizable, progress=progress)
+        write_tiny_model(arch, out, quantizable=quantizable, gguf_experts=gguf_experts, progress=progress)
     return out

@@ -15,7 +15,15 @@ import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, Diagnostic, LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights
+from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights, fastest_here
+from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import (
+    LLAMAFILE_BLOCK,
+    check_gguf,
+    gguf_files,
+    is_gguf_path,
+    kt_kernel_path,
+)
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import pick_fastest, ranking, source
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     ONLINE_ALIGNMENT,
     QUANTIZES_ONLINE,
@@ -36,7 +44,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_weight_files, fp8_blocks
 from vllm_kt_plugin.hookspecs import hookimpl
-from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
 from vllm_kt_plugin.settings.model_memory import ExpertShape, ModelConfigError, estimate_model_memory, expert_shape
 from vllm_kt_plugin.settings.variables import KTSettings, check_cache_dir
@@ -100,9 +108,39 @@ def _check_cache_room(
         )
 
 
-def check_alignment(method: str, hidden_size: int, intermediate_size: int) -> None:
+def check_alignment(
+    method: str, hidden_size: int, intermediate_size: int, *, auto: bool = False, pools: int = 1
+) -> None:
     """kt-kernel's AMX kernels tile the hidden and expert-intermediate sizes; other sizes fail
-    in its C++ ("n or k is not aligned") or crash. The refusal names what does fit."""
+    in its C++ ("n or k is not aligned") or crash. LLAMAFILE computes in 256-wide blocks:
+    other expert widths kt-kernel refuses after vLLM loaded the GPU weights, other hidden
+    sizes it computes wrongly without an error (zeros at 128 and 192, wrong sums at 384 and
+    640: measured, tests/unit/test_llamafile_types.py), and each thread pool needs one
+    block of the width. The refusal names what does fit."""
+    value = f"auto (which picked {method})" if auto else method
+    if method == "LLAMAFILE":
+        misfits = [
+            f"{name} {size}"
+            for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size))
+            if size % LLAMAFILE_BLOCK
+        ]
+        if misfits:
+            raise KTConfigError(
+                "KT_METHOD",
+                value,
+                f"kt-kernel's LLAMAFILE needs a hidden size and an expert intermediate size (moe_intermediate_size) "
+                f"that are multiples of {LLAMAFILE_BLOCK}; this model has {' and '.join(misfits)}",
+                "a method that reads the checkpoint (unset KT_METHOD), or AMXINT4/AMXINT8 where the sizes fit",
+            )
+        if intermediate_size // LLAMAFILE_BLOCK < pools:
+            raise KTConfigError(
+                "KT_THREADPOOL_COUNT",
+                str(pools),
+                f"LLAMAFILE gives each thread pool whole {LLAMAFILE_BLOCK}-wide blocks of the experts' "
+                f"{intermediate_size} columns",
+                f"at most {intermediate_size // LLAMAFILE_BLOCK} with KT_METHOD=LLAMAFILE for this model",
+            )
+        return
     step = ONLINE_ALIGNMENT.get(method)
     if not step or not (hidden_size % step or intermediate_size % step):
         return
@@ -113,7 +151,7 @@ def check_alignment(method: str, hidden_size: int, intermediate_size: int) -> No
     ]
     raise KTConfigError(
         "KT_METHOD",
-        method,
+        value,
         f"kt-kernel's {method} kernels need hidden and expert intermediate sizes that are multiples of {step}; "
         f"this model has {hidden_size} and {intermediate_size}",
         " or ".join(["KT_METHOD unset (the checkpoint's own method, BF16 for a BF16 checkpoint)", *fitting]),
@@ -159,6 +197,42 @@ class KTKernelExperts(CPUExperts):
         )
 
     @classmethod
+    def resolve_method(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> KTSettings:
+        """KT_METHOD as set; unset with GGUF weights: LLAMAFILE (the one method that reads
+        them); ``auto``: the fastest this CPU's kt-kernel variant ran in the measured table
+        among the methods these weights allow (one log line says which, and what faster
+        method other weights would allow)."""
+        if settings.method == AUTO_METHOD:
+            method, line = cls._auto_method(settings, checkpoint)
+            logger.info("kt-hybrid: %s", line)
+            return settings.with_method(method, auto=True)
+        if settings.method is None and settings.weight_path is not None and is_gguf_path(settings.weight_path):
+            return settings.with_method("LLAMAFILE")
+        return super().resolve_method(settings, checkpoint)
+
+    @classmethod
+    def _auto_method(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[str, str]:
+        gguf = settings.weight_path is not None and is_gguf_path(settings.weight_path)
+        if settings.weight_path is not None and not gguf:
+            raise KTConfigError(
+                "KT_METHOD",
+                "auto",
+                f"KT_WEIGHT_PATH={settings.weight_path} holds converted weights, whose method auto cannot tell",
+                "KT_METHOD set to the method of those weights, or auto with KT_WEIGHT_PATH unset (the checkpoint) "
+                "or naming GGUF weights",
+            )
+        variant = str(prepare_kt_kernel().__cpu_variant__)
+        ranked = [s for s in ranking(variant) if kernel_available(s.method)]
+        if not ranked:
+            raise KTConfigError(
+                "KT_METHOD", "auto", f"the measured table ({source()}) has no row for kt-kernel's {variant} kernels"
+            )
+        chosen, line = pick_fastest(ranked, variant, gguf=gguf, quantized=checkpoint.quant_method)
+        if chosen is None:  # a quantized checkpoint and no GGUF: its own method, which the table lacks
+            return cls.default_method(checkpoint), line
+        return chosen.method, line
+
+    @classmethod
     def validate(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
         method = settings.method
         assert method is not None, "the quant config resolves the method first"
@@ -171,6 +245,24 @@ class KTKernelExperts(CPUExperts):
             runnable = sorted(m for m in kt_inference_methods() if m != method and kernel_available(m))
             raise KTConfigError(
                 "KT_METHOD", method, f"{reason}; use {hint}", f"a method this build runs: {', '.join(runnable)}"
+            )
+        if method == "LLAMAFILE":
+            if settings.weight_path is None:
+                raise KTConfigError(
+                    "KT_WEIGHT_PATH",
+                    UNSET,
+                    "KT_METHOD=LLAMAFILE reads the CPU experts from GGUF files",
+                    "a .gguf file of this model (llama.cpp's, e.g. Q4_K_M or Q8_0), the first file of a split set, "
+                    "or a folder holding one model's GGUF",
+                )
+            gguf_files(settings.weight_path)  # the file, the whole split set, or a folder's; checked in full later
+            return
+        if settings.weight_path is not None and os.path.isfile(settings.weight_path):
+            raise KTConfigError(
+                "KT_WEIGHT_PATH",
+                settings.weight_path,
+                f"a GGUF file, which only KT_METHOD=LLAMAFILE reads, not {method}",
+                f"KT_METHOD=LLAMAFILE (or unset) with a GGUF file, or a directory of {method} weights",
             )
         if settings.weight_path is not None:
             _check_weight_files(method, settings.weight_path, is_model_dir=False)
@@ -228,7 +320,23 @@ class KTKernelExperts(CPUExperts):
             shape = expert_shape(hf_config)
         except ModelConfigError:  # a config layout we cannot read: kt-kernel's own checks remain
             return
-        check_alignment(method, shape.hidden_size, shape.intermediate_size)
+        check_alignment(
+            method,
+            shape.hidden_size,
+            shape.intermediate_size,
+            auto=settings.auto_method,
+            pools=settings.threadpool_count,
+        )
+        if method == "LLAMAFILE" and settings.weight_path is not None:
+            variant = str(prepare_kt_kernel().__cpu_variant__)
+            check_gguf(
+                settings.weight_path,
+                shape.moe_layers,
+                shape.num_experts,
+                shape.hidden_size,
+                shape.intermediate_size,
+                variant,
+            )
         directory = settings.weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
         if directory is not None and method in READS_HF_CHECKPOINT:
             check_weight_files(
@@ -249,6 +357,7 @@ class KTKernelExperts(CPUExperts):
     ) -> list[Diagnostic]:
         return [
             check_cpu(settings.method, cpu_flags),
+            fastest_here(weight_path),
             check_weights(settings.method, weight_path, model_dir),
         ]
 
@@ -264,7 +373,9 @@ class KTKernelExperts(CPUExperts):
         self.online = settings.weight_path is None and self.method in QUANTIZES_ONLINE
         self._collected: ExpertTensors | None = None
         self._needs_quantizing: bool | None = None  # decided on first use (files are local by then)
-        check_alignment(self.method, spec.hidden_size, spec.intermediate_size)  # checked at config time too
+        check_alignment(  # checked at config time too
+            self.method, spec.hidden_size, spec.intermediate_size, pools=settings.threadpool_count
+        )
         PROGRESS.expect_layer()
 
     @functools.cached_property
@@ -374,6 +485,9 @@ class KTKernelExperts(CPUExperts):
         self._complete_online_weights()
         if self.cache is not None:
             weight_path = str(self.cache)
+        elif self.method == "LLAMAFILE" and settings.weight_path is not None:
+            # the file, or a folder holding exactly the model's files (a split set among others: links)
+            weight_path = kt_kernel_path(settings.weight_path, gguf_files(settings.weight_path), settings.cache_dir)
         else:
             weight_path = settings.weight_path or local_model_dir(spec.model, spec.revision, spec.download_dir)
         start = time.perf_counter()

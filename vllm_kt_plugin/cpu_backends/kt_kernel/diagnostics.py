@@ -10,8 +10,16 @@ import os
 from pathlib import Path
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, Diagnostic
-from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE, READS_HF_CHECKPOINT, weight_files_missing
+from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import gguf_files, is_gguf_path
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import gguf_hint, ranking, source
+from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
+    QUANTIZES_ONLINE,
+    READS_HF_CHECKPOINT,
+    kernel_available,
+    weight_files_missing,
+)
 from vllm_kt_plugin.settings.catalogue import KT_METHODS
+from vllm_kt_plugin.settings.errors import KTConfigError
 
 AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
@@ -83,6 +91,32 @@ def check_cpu(method: str | None, flags: frozenset[str]) -> Diagnostic:
     return Diagnostic("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
 
 
+def fastest_here(weight_path: str | None = None) -> Diagnostic:
+    """The fastest method for the kt-kernel variant this CPU loads, from the measured table
+    (``method_speeds``): what KT_METHOD=auto picks where the weights allow it; where it reads
+    GGUF and ``weight_path`` holds none, what to point KT_WEIGHT_PATH at."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+
+    try:
+        variant = str(prepare_kt_kernel().__cpu_variant__)
+    except KTConfigError as e:
+        return Diagnostic("fastest", WARN, f"not known: {e}")
+    ranked = [s for s in ranking(variant) if kernel_available(s.method)]
+    if not ranked:
+        return Diagnostic("fastest", WARN, f"no measured row for kt-kernel's {variant} kernels ({source()})")
+    order = "; then ".join(s.describe() for s in ranked[1:])
+    best = ranked[0]
+    missing = best.method == "LLAMAFILE" and not (weight_path and is_gguf_path(weight_path))
+    return Diagnostic(
+        "fastest",
+        OK,
+        f"kt-kernel loads its {variant} kernels here: fastest decode {best.describe()}"
+        + (f" ({gguf_hint(best)})" if missing else "")
+        + f"; then {order} (KT_METHOD=auto picks the fastest the weights allow; measured: {source()}; "
+        "`vllm-kt doctor --measure-methods` measures this machine)",
+    )
+
+
 def _found(directory: str, pattern: str) -> int:
     return len(glob.glob(os.path.join(directory, pattern), recursive=True))
 
@@ -101,6 +135,14 @@ def check_weights(method: str | None, weight_path: str | None, model_dir: str | 
         if method in READS_HF_CHECKPOINT:
             return Diagnostic("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
         return Diagnostic("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
+    if method == "LLAMAFILE":
+        try:
+            files = gguf_files(directory)
+        except KTConfigError as e:
+            return Diagnostic("weights", ERROR, str(e))
+        return Diagnostic(
+            "weights", OK, f"LLAMAFILE reads {len(files)} GGUF file(s): {', '.join(f.name for f in files)}"
+        )
     if not os.path.isdir(directory):
         return Diagnostic("weights", ERROR, f"{directory} is not a directory")
     if method in QUANTIZES_ONLINE:
@@ -114,7 +156,7 @@ def check_weights(method: str | None, weight_path: str | None, model_dir: str | 
         return Diagnostic(
             "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
         )
-    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
+    if method not in READS_HF_CHECKPOINT:
         return Diagnostic("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
     missing = weight_files_missing(method, directory)
     if missing is None:

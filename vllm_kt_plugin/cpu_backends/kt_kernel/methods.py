@@ -90,9 +90,9 @@ def kernel_available(method: str) -> bool:
 
 def weight_files_missing(method: str, directory: str) -> str | None:
     """The file pattern kt-kernel would walk ``directory`` for with ``method`` and not find
-    (``*.safetensors``, or ``*.gguf`` for LLAMAFILE); None when found or when kt-kernel
-    checks the method's own converted format itself (AMX, MOE_*)."""
-    if method not in READS_HF_CHECKPOINT and method != "LLAMAFILE":
+    (``*.safetensors``); None when found or when the method's files are checked elsewhere
+    (LLAMAFILE's GGUF: ``gguf_files``) or by kt-kernel itself (AMX, MOE_*)."""
+    if method not in READS_HF_CHECKPOINT:
         return None
-    pattern = "*.gguf" if method == "LLAMAFILE" else "*.safetensors"
+    pattern = "*.safetensors"
     return None if glob.glob(os.path.join(directory, "**", pattern), recursive=True) else pattern
