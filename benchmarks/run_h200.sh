@@ -249,7 +249,7 @@ run_prefill_test() {
 
 # The plugin into /root/gpusite once per tree (a sitting runs this script several times, two at once
 # beside each other: a second pip into the same --target would race the first)
-installed=/root/gpusite/.vllm-kt-installed-$(cat pyproject.toml vllm_kt_plugin/__init__.py | sha256sum | cut -c1-12)
+installed=$BENCH_OUT/.plugin-installed-$(cat pyproject.toml vllm_kt_plugin/__init__.py | sha256sum | cut -c1-12)
 if ( set -o noclobber; : > "$installed.lock" ) 2> /dev/null; then
   stage "install"
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/gpusite . \

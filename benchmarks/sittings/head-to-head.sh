@@ -21,6 +21,8 @@
 #      point for Qwen3-30B-A3B first, then kt-hybrid's settings mirrored (docs/benchmarks.md)
 #   5. vLLM's expert-only UVA offloader, engine mode, a decode it can finish
 #   6. bare kt-kernel through every layer (the kernel sweep)
+# A dry run on vLLM's CPU build (the plumbing, not the figures): BENCH_OUT=/tmp/h2h-dry H2H_LOAD=40:8
+#   BENCH_ARGS="--model <a tiny model> --kt-env KT_NUM_GPU_EXPERTS=4 --cpuinfer 1" PATH=.venv/bin:$PATH bash ...
 # Each stage writes its JSON under $BENCH_OUT as soon as each system ends; the host's memory
 # bandwidth (kt-kernel's thread count) and the decode limit it implies are in every JSON. Both
 # servers get 16,384-token prefill chunks where they take one: kt-hybrid's --max-num-batched-tokens
@@ -57,7 +59,7 @@ STAGES=prepare bash benchmarks/run_h200.sh
 leftovers prepare
 
 stage "2 kt-hybrid behind vllm serve: decode, prefills, timeline, load"
-KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=1000:64 \
+KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=${H2H_LOAD:-1000:64} \
   SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384" SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
 leftovers kt-hybrid
 
@@ -72,13 +74,13 @@ wait $tests
 leftovers gpu-tests
 
 stage "4 sglang-kt behind its own server: the documented point, then the mirror of kt-hybrid's; the load"
-KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=1000:64 \
+KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=${H2H_LOAD:-1000:64} \
   SGLANG_SWEEP=${SGLANG_POINTS:-documented,mirror} SERVER_ENGINE_ARGS="--append --max-num-batched-tokens 16384" \
   SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
 leftovers sglang-kt
 
 stage "5 vLLM's expert-only offloader, engine mode"
-KERNEL_SWEEP=0 STAGES=peers PEER_SYSTEMS=vllm-offload-experts BENCH_ARGS="--decode-tokens 8 --decode-repeats 3" \
+KERNEL_SWEEP=0 STAGES=peers PEER_SYSTEMS=vllm-offload-experts BENCH_ARGS="$BENCH_ARGS --decode-tokens 8 --decode-repeats 3" \
   BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
 leftovers offloader
 
