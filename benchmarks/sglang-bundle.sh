@@ -75,8 +75,8 @@ mkdir -p "$STORE"
 if [ "$HERE" != "$(cd "$STORE" && pwd)" ]; then  # a copy by the parts, for run_h200.sh's sglang-install stage
   cp "$0" "$STORE/install-part.sh"
   [ -f "$HERE/MANIFEST" ] && cp "$HERE/MANIFEST" "$STORE/MANIFEST"
+  for p in "$HERE"/part[0-9]*; do [ -e "$p" ] && mv "$p" "$STORE/"; done  # run from the store: they are there
 fi
-for p in "$HERE"/part[0-9]*; do [ -e "$p" ] && mv "$p" "$STORE/"; done
 [ -f "$STORE/MANIFEST" ] || { echo "no MANIFEST: carry .sglbundle/MANIFEST with the parts" >&2; exit 1; }
 . "$STORE/MANIFEST"
 have() { ls "$STORE"/part[0-9]* 2> /dev/null | wc -l; }

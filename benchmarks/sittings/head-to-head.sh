@@ -96,4 +96,4 @@ leftovers offloader
 
 stage "6 the kernel sweep"
 STAGES=sweep BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
-stage "SITTING DONE"
+stage "DONE"
