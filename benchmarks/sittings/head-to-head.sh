@@ -54,9 +54,12 @@ leftovers() {
   fi
 }
 
-stage "1 prepare (AMXINT4 experts, no GPU)"
-STAGES=prepare bash benchmarks/run_h200.sh
-leftovers prepare
+FROM=${H2H_FROM:-1}  # resume a sitting from this stage (a host that kept what the earlier ones made)
+if [ "$FROM" -le 1 ]; then
+  stage "1 prepare (AMXINT4 experts, no GPU)"
+  STAGES=prepare bash benchmarks/run_h200.sh
+  leftovers prepare
+fi
 
 stage "2 kt-hybrid behind vllm serve: decode, prefills, timeline, load"
 KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=${H2H_LOAD:-1000:64} \

@@ -192,7 +192,11 @@ def server_recording() -> tuple[dict[str, str], list[str]]:
     vLLM's worker imports ``bench/server_worker.py`` (its ``--worker-extension-cls``) before
     it builds the model, which installs the recorder there, and the counts come back through
     vLLM's dev-mode ``/collective_rpc``. Nothing is installed in servers the bench did not start."""
-    return {"VLLM_SERVER_DEV_MODE": "1"}, [
+    # VLLM_ALLOW_INSECURE_SERIALIZATION for the API server too: where the worker runs inside the
+    # engine core (one GPU: vLLM's in-process executor), the recorder's install sets it there, the
+    # engine core then sends utility results pickled, and an API server without it dies decoding
+    # them ("must be set to use custom utility result types": the H100 sitting of 2026-12-06).
+    return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, [
         "--worker-extension-cls",
         "vllm_kt_tools.bench.server_worker.BenchWorkerExtension",
     ]
