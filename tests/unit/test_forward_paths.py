@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kt_plugin.hybrid import paths
-from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.contracts import Forward, ForwardPath, LayerParts, StageMarks
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
 from vllm_kt_plugin.settings.loader import load_settings

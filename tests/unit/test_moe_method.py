@@ -10,7 +10,7 @@ import torch
 from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward
 from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod

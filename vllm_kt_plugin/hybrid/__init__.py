@@ -2,7 +2,7 @@
 method that splits each layer between the native GPU method and a CPU backend
 (``moe_method``).
 
-A forward is route -> pick a path -> run it, observers told (``forward``). Paths, in the
+A forward is route -> pick a path -> run it, observers told (``contracts``). Paths, in the
 order ``paths`` asks them: GPU prefill (``gpu_prefill_path``: every CPU expert streamed
 to the GPU, from the host copy and staging buffers of ``gpu_prefill``), or in its place
 the split (``split_path``: per forward, a part of the CPU experts staged on the GPU, the

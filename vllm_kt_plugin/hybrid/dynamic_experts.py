@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kt_plugin.hybrid.forward import Forward, ForwardObserver
+from vllm_kt_plugin.hybrid.contracts import Forward, ForwardObserver
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.hybrid.vllm_compat import DOWN_SHARD, GATE_SHARD, UP_SHARD, load_expert_weight
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME

@@ -21,7 +21,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.contracts import Forward, ForwardPath, LayerParts, StageMarks
 from vllm_kt_plugin.hybrid.gpu_experts import (
     BLOCK_FP8_STAGING_BACKEND,
     kernel_of,

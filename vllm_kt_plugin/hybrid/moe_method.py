@@ -2,7 +2,7 @@
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
 vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route
--> pick a path -> run it, with observers told (``forward``). The paths, in the order they
+-> pick a path -> run it, with observers told (``contracts``). The paths, in the order they
 are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every expert on
 the GPU) or, in its place, the split (``split_path``: a part of the CPU experts staged on
 the GPU per forward, the rest on the CPU), and the CPU-experts path (``cpu_path``: submit
@@ -32,8 +32,8 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.forward import Forward, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, StageMarks
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath, gpu_prefill_min_tokens, splits
 from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
 from vllm_kt_plugin.hybrid.split_cost import (

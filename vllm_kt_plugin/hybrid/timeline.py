@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, StageMarks
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, StageMarks
 
 MAX_STEPS = 256  # steps kept between two reads: a bench run's prefills are a few dozen
 PREFETCH, ON_DEMAND = "prefetch", "on demand"

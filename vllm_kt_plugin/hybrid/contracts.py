@@ -1,4 +1,4 @@
-"""The shape of one hybrid forward: route -> pick a path -> run it, with observers told.
+"""The contracts of one hybrid forward: route -> pick a path -> run it, with observers told.
 
 A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs the first
 that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
