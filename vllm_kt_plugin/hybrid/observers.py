@@ -60,4 +60,5 @@ class RecordsTimeline(ForwardObserver):
         timeline = self.timeline
         if not timeline.enabled or forward.capturing or forward.tokens < timeline.min_tokens:
             return NO_MARKS
-        return timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)
+        marks = timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)
+        return marks if marks is not None else NO_MARKS
