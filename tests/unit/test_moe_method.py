@@ -11,7 +11,7 @@ from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
 from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward
-from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK
+from vllm_kt_plugin.hybrid.host_experts import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
@@ -342,7 +342,8 @@ def test_gpu_prefill_is_off_by_default(vllm_layer_context) -> None:
 def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers, layout_of
+    from vllm_kt_plugin.hybrid.host_memory import layout_of
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
     def host(value: float, experts: int) -> SimpleNamespace:
         tensors = {"w13_weight": torch.full((experts, 4, 2), value)}
@@ -370,14 +371,14 @@ def test_pinned_copies_own_whole_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     block's own allocation (CUDA refuses a page registered twice), holding equal copies."""
     import mmap
 
-    from vllm_kt_plugin.hybrid import gpu_prefill
+    from vllm_kt_plugin.hybrid import host_memory
 
     registered: list[tuple[int, int]] = []
     monkeypatch.setattr(
-        gpu_prefill, "pin_in_place", lambda t: registered.append((t.data_ptr(), t.numel() * t.element_size()))
+        host_memory, "pin_in_place", lambda t: registered.append((t.data_ptr(), t.numel() * t.element_size()))
     )
     tensors = {"w13_weight": torch.randn(3, 10, 7).bfloat16(), "w2_weight": torch.randn(3, 7, 5)}
-    copies = gpu_prefill.pinned_copies(tensors)
+    copies = host_memory.pinned_copies(tensors)
     [(start, nbytes)] = registered
     assert start % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0
     for name, tensor in tensors.items():
@@ -392,7 +393,7 @@ def test_staging_writes_layers_without_a_host_copy() -> None:
     buffer, then copied like a host copy; prefetching it writes it then."""
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
     written: list[float] = []
 
@@ -461,7 +462,7 @@ def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:
     other block scales) must be exactly what the CPU backend writes."""
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
 
     written = {"w13_weight": ((2, 8, 4), torch.bfloat16), "w2_weight": ((2, 4, 4), torch.bfloat16)}
     writer = SimpleNamespace(gpu_layout=lambda n: {k: ((n, *s[1:]), d) for k, (s, d) in written.items()})
@@ -644,7 +645,7 @@ def test_block_fp8_quantization_round_trips() -> None:
     """The FP8 copy's quantizer: 128 x 128 blocks, each scaled to its own largest value
     (partial blocks at the edges too); e4m3 keeps 3 mantissa bits, so each weight comes
     back within 2**-4 of its magnitude (half an ulp), plus the block's subnormal floor."""
-    from vllm_kt_plugin.hybrid.gpu_prefill import quantize_block_fp8
+    from vllm_kt_plugin.hybrid.host_experts import quantize_block_fp8
 
     weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     weight[:128, :128] *= 100  # one block far larger: its scale must not spill into others
@@ -702,7 +703,7 @@ def test_fp8_host_copy_loads_each_shard_into_its_blocks(vllm_layer_context) -> N
     """The FP8 copy's loader (runs on any CPU, unlike vLLM's FP8 kernel): each checkpoint
     tensor is quantized into its expert's rows of the block-FP8 shadow — gate then up in
     w13, each half with its own block scales, down in w2 — and dequantizes to the tensor."""
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
 
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2"))
     layer = runner.routed_experts

@@ -4,7 +4,7 @@ method that splits each layer between the native GPU method and a CPU backend
 
 A forward is route -> pick a path -> run it, observers told (``contracts``). Paths, in the
 order ``paths`` asks them: GPU prefill (``gpu_prefill_path``: every CPU expert streamed
-to the GPU, from the host copy and staging buffers of ``gpu_prefill``), or in its place
+to the GPU, from the host copy of ``host_experts`` through ``staging_buffers``), or in its place
 the split (``split_path``: per forward, a part of the CPU experts staged on the GPU, the
 rest on the CPU, as ``split_cost``'s model decides), and the CPU-experts path
 (``cpu_path``); all compute the GPU experts through ``gpu_experts``. Observers: the

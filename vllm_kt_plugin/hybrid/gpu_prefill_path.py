@@ -1,6 +1,6 @@
 """The GPU-prefill path (KT_GPU_PREFILL_MIN_TOKENS): forwards of at least the threshold's
 tokens compute every expert on the GPU, the CPU experts from a staging buffer their
-weights stream into (``gpu_prefill``: the host copy and the buffers).
+weights stream into (``host_experts``: the host copy, ``staging_buffers``: the buffers).
 
 Here: whether a layer takes the path and from how many tokens (the setting, ``auto``'s
 planning verdict, the staging rule of ``settings.staging`` applied to the kernel vLLM
@@ -29,8 +29,9 @@ from vllm_kt_plugin.hybrid.gpu_experts import (
     native_is_stageable,
     runs_raw_layout,
 )
-from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK, HostExperts, StagingBuffers
+from vllm_kt_plugin.hybrid.host_experts import FP8_BLOCK, HostExperts
 from vllm_kt_plugin.hybrid.metrics import GPU_PREFILL_PATH
+from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 from vllm_kt_plugin.hybrid.vllm_compat import cpu_runs_block_fp8_moe, is_block_fp8
 from vllm_kt_plugin.planning.gpu_budget import NO_CUDA_DEVICE
 from vllm_kt_plugin.settings.catalogue import (

@@ -67,7 +67,8 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
 logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
 
