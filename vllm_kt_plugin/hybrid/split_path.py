@@ -428,15 +428,15 @@ def probe(path: SplitPath, dtype: torch.dtype) -> ProbedCosts:
     counters = staging.rows_copied, staging.uses  # the probe is no forward: restored after
 
     def copy_layer() -> None:
-        staging.owner[index] = None  # forget the rows: copy them all again
-        staging._copy_in(index, host)
+        staging.forget(index)  # copy every row again
+        staging.copy_in(index, host)
 
     copy_s = _timed(copy_layer, device)
     write_s = 0.0
     if not host.copies:  # the write alone, to tell it from the copy
-        write_s = _timed(lambda: staging._written(index, host, list(range(m))), device)
+        write_s = _timed(lambda: staging.write_out(index, host, list(range(m))), device)
         copy_s = max(copy_s - write_s, 0.0)
-    staging.owner[index] = None
+    staging.forget(index)
     views = staging.wait(staging.start(host), host)
 
     cpu_points, gpu_points = [], []

@@ -74,10 +74,11 @@ class StagingBuffers:
     def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
         return _shaped(self.slots[index], host.layout)
 
-    def _written(self, index: int, host: HostExperts, rows: list[int]) -> dict[str, torch.Tensor]:
+    def write_out(self, index: int, host: HostExperts, rows: list[int]) -> dict[str, torch.Tensor]:
         """``host``'s experts of ``rows``, written by its CPU backend into host buffer
         ``index`` (its first ``len(rows)`` rows) once the copy that last read that buffer
-        is done."""
+        is done (``copy_in`` does this for a layer without a host copy; the split's probe
+        times it alone)."""
         if not self.host_slots:
             flat = {name: (torch.Size([n]), dtype) for name, (n, dtype) in self.numel.items()}
             self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
@@ -88,7 +89,12 @@ class StagingBuffers:
         host.write(views, rows)
         return views
 
-    def _copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None, kind: str = ON_DEMAND) -> None:
+    def forget(self, index: int) -> None:
+        """Buffer ``index`` holds nothing a later copy may keep: the next ``copy_in`` copies
+        every row it is asked for (the split's probe times whole copies this way)."""
+        self.owner[index] = None
+
+    def copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None, kind: str = ON_DEMAND) -> None:
         """Copy ``host``'s experts of ``rows`` (all by default) into buffer ``index``,
         each into its own row; rows it already holds for ``host`` are not copied again
         (``kind``: a prefetch or a copy on demand, for the timeline)."""
@@ -108,7 +114,7 @@ class StagingBuffers:
             source = host.tensors
             pairs = [(r, r) for r in missing]  # (source row, buffer row)
         else:
-            source = self._written(index, host, missing)
+            source = self.write_out(index, host, missing)
             pairs = list(enumerate(missing))
         runs = [(0, 0, host.num_experts)] if every and not self.rows[index] and host.copies else _runs(pairs)
         self.rows[index].update(missing)
@@ -160,7 +166,7 @@ class StagingBuffers:
         index = self._slot_of(host)
         if index is None:
             index = 1 - self.last
-        self._copy_in(index, host, rows)
+        self.copy_in(index, host, rows)
         return index
 
     def wait(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
@@ -178,7 +184,7 @@ class StagingBuffers:
         thread meanwhile)."""
         index = self._slot_of(host)
         if index is None or index == 1 - busy:
-            self._copy_in(1 - busy, host, rows, PREFETCH)
+            self.copy_in(1 - busy, host, rows, PREFETCH)
 
     def release(self, index: int) -> None:
         if self.cuda:
