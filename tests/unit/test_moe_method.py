@@ -559,7 +559,8 @@ def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, m
     import time
 
     from vllm_kt_plugin.hybrid.split_cost import plan
-    from vllm_kt_plugin.hybrid.split_path import SplitPath, probe
+    from vllm_kt_plugin.hybrid.split_path import SplitPath
+    from vllm_kt_plugin.hybrid.split_probe import probe
 
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="4"))
     load(runner, random_experts(E, seed=43))

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
-    from vllm_kt_plugin.hybrid.split_path import ProbedCosts, SplitPath
+    from vllm_kt_plugin.hybrid.split_path import SplitPath
+    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
     from vllm_kt_plugin.planning.layer_plan import LayerPlan
     from vllm_kt_plugin.settings.variables import KTSettings
 
