@@ -450,7 +450,7 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
 
 def test_auto_gpu_prefill_threshold_or_refusal() -> None:
     """auto: the layer's break-even where nothing refuses, else 0."""
-    from vllm_kt_plugin.hybrid.gpu_prefill_path import auto_min_tokens
+    from vllm_kt_plugin.hybrid.staging_policy import auto_min_tokens
 
     assert auto_min_tokens(None, None, 1024) == 1024
     assert auto_min_tokens(None, "the layer cannot be staged", 1024) == 0

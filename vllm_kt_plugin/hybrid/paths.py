@@ -5,7 +5,7 @@ Each builder looks at the layer (``contracts.LayerParts``) once, when vLLM build
 returns its path, or None where that path is off for the layer. A new path is a module
 with a ``ForwardPath`` and a builder, added here in its place. GPU prefill's whole-layer
 stream and the split (the per-forward split of a layer's CPU experts between the CPU and
-the GPU) exclude each other per layer (``gpu_prefill_path.splits``); the CPU-experts path
+the GPU) exclude each other per layer (``staging_policy.splits``); the CPU-experts path
 takes every forward left.
 """
 

@@ -30,7 +30,7 @@ this path; other layers scale its per-expert numbers by their expert bytes.
 
 ``SplitPath`` is a ``gpu_prefill_path.GPUPrefillPath`` (the same host copy, buffers and
 weight lifecycle) that stages a part of the CPU experts per forward; it takes the place of
-the whole-layer stream where ``gpu_prefill_path.splits`` says so (``paths.PATH_BUILDERS``).
+the whole-layer stream where ``staging_policy.splits`` says so (``paths.PATH_BUILDERS``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from vllm.logger import init_logger
 
 from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, StageMarks
-from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath, gpu_prefill_min_tokens, splits
+from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
 from vllm_kt_plugin.hybrid.split_cost import (
     SplitCosts,
@@ -53,6 +53,7 @@ from vllm_kt_plugin.hybrid.split_cost import (
     share_plan,
 )
 from vllm_kt_plugin.hybrid.split_probe import probe
+from vllm_kt_plugin.hybrid.staging_policy import gpu_prefill_min_tokens, splits
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -329,7 +330,7 @@ class SplitPath(GPUPrefillPath):
 
 def build(parts: LayerParts) -> SplitPath | None:
     """The layer's split path, or None where the split does not apply to it
-    (``gpu_prefill_path.splits``) or GPU prefill is off for it."""
+    (``staging_policy.splits``) or GPU prefill is off for it."""
     if not splits(parts) or parts.cpu is None:
         return None
     min_tokens = gpu_prefill_min_tokens(parts)
