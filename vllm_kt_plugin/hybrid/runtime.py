@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kt_plugin.hybrid.dynamic_experts import SwapLog
 from vllm_kt_plugin.hybrid.host_experts import HostExperts
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
 from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+from vllm_kt_plugin.hybrid.swap_log import SwapLog
 from vllm_kt_plugin.hybrid.timeline import Timeline
 
 if TYPE_CHECKING:
