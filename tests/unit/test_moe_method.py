@@ -479,7 +479,7 @@ def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "kt_kernel"])
 def test_split_matches_dense_reference_and_splits(
-    vllm_layer_context, fresh_runtime, tmp_path: Path, backend: str
+    vllm_layer_context, fresh_process_state, tmp_path: Path, backend: str
 ) -> None:
     """KT_GPU_PREFILL_SPLIT=0.5 (the split forced, as on the CPU build): in two consecutive
     layers, forwards at the threshold stage half of their picked CPU experts (most-picked
@@ -548,7 +548,7 @@ class _StageClock:
         return self.now
 
 
-def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, monkeypatch) -> None:
+def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_process_state, monkeypatch) -> None:
     """The start-up probe on a real layer (here the CPU build's: CPU backend = torch, "GPU" =
     vLLM's CPU kernel). Timed for real it yields finite, non-negative costs the model can
     plan with, and leaves the staging counters as they were (it is no forward). Timed by a
@@ -610,7 +610,7 @@ def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, m
     assert costs.write_s_per_expert == 0  # the torch backend keeps a host copy: nothing written
 
 
-def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_runtime) -> None:
+def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_process_state) -> None:
     """Above ``whole_min_tokens`` (the cost model's choice, path_thresholds) the split stages
     every CPU expert with no routing read-back and leaves nothing to the CPU; below it, it
     plans as before. Matches the dense reference either way."""
@@ -662,7 +662,7 @@ def test_block_fp8_quantization_round_trips() -> None:
     reason="vLLM's CPU build runs block-FP8 MoE only on AMX CPUs (CPUExpertsFp8); the GPU sitting measures it",
 )
 @pytest.mark.parametrize("split", ["auto", "0.5"])
-def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_runtime, split: str) -> None:
+def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_process_state, split: str) -> None:
     """KT_GPU_PREFILL_FP8_COPY=1: the CPU experts' host copy is block FP8, quantized as the
     checkpoint loads and run by vLLM's FP8 MoE method (here its CPU build's kernel) from the
     staging buffer, whole layer or split; half the bytes of the BF16 copy. Within FP8's

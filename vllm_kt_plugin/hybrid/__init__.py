@@ -10,6 +10,6 @@ rest on the CPU, as ``split_cost``'s model decides), and the CPU-experts path
 (``cpu_path``); all compute the GPU experts through ``gpu_experts``. Observers: the
 routing recorder (``routing_recorder``, behind ``vllm-kt profile``), per-layer timing
 (``metrics``, ``device_clock``) and dynamic GPU experts (``dynamic_experts``), wired by
-``observers``. ``runtime`` holds what the layers of a process share and what each is
+``observers``. ``process_state`` holds what the layers of a process share and what each is
 given; ``shadow`` builds copies of a layer that own their weights; ``vllm_compat`` is
 every vLLM internal we rely on."""

@@ -77,7 +77,7 @@ class GPUPrefillPath(ForwardPath):
             raise KTConfigError(
                 "KT_GPU_PREFILL_MIN_TOKENS", "auto" if threshold is None else str(threshold), mismatch, "0 (off)"
             )
-        parts.context.runtime.add_host(parts.layer_idx, self.host)
+        parts.context.process.add_host_experts(parts.layer_idx, self.host)
 
     def _gpu_layout_writer(self, cuda: bool, params_dtype: torch.dtype) -> CPUExperts | None:
         """The CPU backend, where it can write its experts in the native kernel's layout
@@ -108,12 +108,12 @@ class GPUPrefillPath(ForwardPath):
         device = parts.moe.device
         load_format = str(get_current_vllm_config().load_config.load_format)
         host.finalize(load_format == "dummy", parts.placement.cpu_slot_of().to(device))
-        runtime = parts.context.runtime
-        self.staging = runtime.staging(device)
+        process = parts.context.process
+        self.staging = process.staging(device)
         self.staging.reserve(host)
         settings = parts.context.settings
         if host.copies:
-            hosts = [h for _, h in runtime.hosts]
+            hosts = [h for _, h in process.host_experts]
             memory = "pinned host" if device.type == "cuda" else "host"
             copy_gib = sum(h.host_nbytes for h in hosts) / GIB
             fp8 = " block-FP8" if host.fp8_copy else ""
@@ -146,7 +146,7 @@ class GPUPrefillPath(ForwardPath):
         marks.gpu_done()
         # After this layer's work is queued: a written next layer blocks this thread.
         if self._next_host is None:
-            self._next_host = self.parts.context.runtime.host_after(self.parts.layer_idx)
+            self._next_host = self.parts.context.process.host_experts_after(self.parts.layer_idx)
         if self._next_host is not host:
             staging.prefetch(self._next_host, busy=index)
         logger.info_once(

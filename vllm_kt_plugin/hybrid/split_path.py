@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, SplitNeighbour, StageMarks
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
 from vllm_kt_plugin.hybrid.split_cost import (
@@ -113,7 +113,7 @@ class SplitPath(GPUPrefillPath):
 
     def after_loading(self, layer: RoutedExperts) -> None:
         super().after_loading(layer)
-        self.parts.context.runtime.add_split_path(self.layer_idx, self)
+        self.parts.context.process.add_split_path(self.layer_idx, self)
 
     def attach(self, host: HostExperts, staging: StagingBuffers) -> None:
         """Use ``host`` and ``staging`` (another path's, loaded: the probe's test)."""
@@ -134,12 +134,12 @@ class SplitPath(GPUPrefillPath):
         return chosen
 
     def _probed_costs(self, dtype: torch.dtype) -> SplitCosts:
-        """One probe per process (the runtime keeps it), scaled to this layer."""
-        runtime = self.parts.context.runtime
-        if runtime.split_probe is None:
-            runtime.split_probe = probe(self, dtype)
+        """One probe per process (the process state keeps it), scaled to this layer."""
+        process = self.parts.context.process
+        if process.split_probe is None:
+            process.split_probe = probe(self, dtype)
         assert self.host is not None
-        return runtime.split_probe.for_host(self.host)
+        return process.split_probe.for_host(self.host)
 
     def predict(self, count: int) -> list[int]:
         """The ``count`` CPU-expert rows this layer picked most in its last forward here."""
@@ -154,8 +154,8 @@ class SplitPath(GPUPrefillPath):
             return f", {self.share:.0%} of each forward's picked CPU experts staged on the GPU (KT_GPU_PREFILL_SPLIT)"
         return ", split between the CPU and the GPU by the cost model (probed on the first such forward)"
 
-    def _next(self) -> SplitPath | None:
-        path = self.parts.context.runtime.split_path_after(self.layer_idx)
+    def _next(self) -> SplitNeighbour | None:
+        path = self.parts.context.process.split_path_after(self.layer_idx)
         return path if path is not self else None
 
     # --- forward -------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class SplitPath(GPUPrefillPath):
         # A layer kt-kernel writes out is written on the threads of the CPU's part; a whole
         # layer of it staged on demand is the split's all-staged case, planned per forward.
         self.whole_min_tokens = whole_from if self.host.copies else NEVER
-        if self.parts.context.runtime.first_split_path() is not self:
+        if self.parts.context.process.first_split_path() is not self:
             return
         logger.info(
             "kt-hybrid: by the probed costs, forwards of %s take the CPU path, %s the split, %s the whole-layer "
@@ -275,7 +275,7 @@ class SplitPath(GPUPrefillPath):
         return self.costs
 
     def _log_whole(self, tokens: int) -> None:
-        if self.whole_forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+        if self.whole_forwards == 1 and self.parts.context.process.first_split_path() is self:
             logger.info(
                 "%s: %s staged all %d of its CPU experts in a forward of %d tokens, the next layer's prefetched",
                 WHOLE_RAN,
@@ -314,7 +314,7 @@ class SplitPath(GPUPrefillPath):
         self.picked_experts += chosen.picked
         if chosen.is_split:
             self.splits += 1
-        if self.forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+        if self.forwards == 1 and self.parts.context.process.first_split_path() is self:
             logger.info(
                 "%s: %s staged %d of the %d CPU experts a forward of %d tokens picked (%d copied now, the rest on "
                 "the CPU)%s",
