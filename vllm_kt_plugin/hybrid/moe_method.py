@@ -1,15 +1,16 @@
 """The MoE method of ``kt-hybrid``: what vLLM sees of a layer whose routed experts are
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
-vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route
--> pick a path -> run it, with observers told (``contracts``). The paths, in the order they
+vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route ->
+pick a path -> run it, with observers told (``contracts``). The paths, in the order they
 are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every expert on
 the GPU) or, in its place, the split (``split_path``: a part of the CPU experts staged on
 the GPU per forward, the rest on the CPU), and the CPU-experts path (``cpu_path``: submit
-the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder
-and the metrics (``observers``), and dynamic GPU experts (``dynamic_experts``). What the
-layers of a process share, the layer reaches through its context (``contracts.ProcessState``,
-held by ``process_state``); vLLM internals we rely on, in ``vllm_compat``.
+the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder,
+the metrics and the timeline (``observers``), and dynamic GPU experts
+(``dynamic_experts``). What the layers of a process share, the layer reaches through its
+context (``contracts.ProcessState``, held by ``process_state``); vLLM internals we rely
+on, in ``vllm_compat``.
 """
 
 from __future__ import annotations
