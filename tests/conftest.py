@@ -71,11 +71,11 @@ def run_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture
-def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> object:
-    """A process runtime (``hybrid.runtime``) of the layers this test builds only: the
+def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> object:
+    """A process state (``hybrid.process_state``) of the layers this test builds only: the
     layers other tests built stay out of its next-layer lookups and probes."""
-    from vllm_kt_plugin.hybrid import runtime
+    from vllm_kt_plugin.hybrid import process_state
 
-    fresh = runtime.HybridRuntime()
-    monkeypatch.setattr(runtime, "_RUNTIME", fresh)
+    fresh = process_state.HybridProcessState()
+    monkeypatch.setattr(process_state, "_PROCESS_STATE", fresh)
     return fresh

@@ -52,7 +52,7 @@ def test_swap_log_reports_the_mean_cost_at_powers_of_ten(caplog) -> None:
     running mean cost per layer swap (the figure the H200 benchmark reads)."""
     import logging
 
-    from vllm_kt_plugin.hybrid.dynamic_experts import SwapLog
+    from vllm_kt_plugin.hybrid.swap_log import SwapLog
     from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
     log = SwapLog()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kt_plugin.hybrid import paths
-from vllm_kt_plugin.hybrid.forward import Forward, ForwardPath, LayerParts, StageMarks
+from vllm_kt_plugin.hybrid.contracts import Forward, ForwardPath, LayerParts, StageMarks
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
 from vllm_kt_plugin.settings.loader import load_settings
@@ -44,7 +44,7 @@ def forward(layer, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return layer.quant_method.apply(layer, x, weights, ids, None, None), x, ids, weights
 
 
-def test_paths_are_asked_in_order(vllm_layer_context, fresh_runtime) -> None:
+def test_paths_are_asked_in_order(vllm_layer_context, fresh_process_state) -> None:
     """GPU prefill (or, where the split applies, the split instead) before the CPU-experts
     path, which takes every forward left."""
     layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_GPU_PREFILL_MIN_TOKENS="12")
@@ -53,11 +53,11 @@ def test_paths_are_asked_in_order(vllm_layer_context, fresh_runtime) -> None:
     split, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_GPU_PREFILL_MIN_TOKENS="12", KT_GPU_PREFILL_SPLIT="0.5")
     assert [p.name for p in split.quant_method.paths] == [SPLIT_PATH, CPU_PATH]
     assert [p.name for p in hybrid_layer(KT_NUM_GPU_EXPERTS="3")[0].quant_method.paths] == [CPU_PATH]
-    assert [m.layer_idx for m in fresh_runtime.layers] == sorted(m.layer_idx for m in fresh_runtime.layers)
+    assert [m.layer_idx for m in fresh_process_state.layers] == sorted(m.layer_idx for m in fresh_process_state.layers)
 
 
 def test_a_new_path_plugs_in_by_its_place_in_the_builders(
-    vllm_layer_context, fresh_runtime, monkeypatch: pytest.MonkeyPatch
+    vllm_layer_context, fresh_process_state, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A builder put before the CPU path takes the forwards it accepts; the others still
     reach the CPU path."""
@@ -87,9 +87,9 @@ def test_a_new_path_plugs_in_by_its_place_in_the_builders(
     assert taken == [5]
 
 
-def test_the_recorder_hears_forwards_only_while_enabled(vllm_layer_context, fresh_runtime) -> None:
+def test_the_recorder_hears_forwards_only_while_enabled(vllm_layer_context, fresh_process_state) -> None:
     layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3")
-    recorder = fresh_runtime.recorder
+    recorder = fresh_process_state.recorder
     forward(layer, 4)
     assert recorder.counts == {}
     recorder.enabled = True
@@ -99,10 +99,10 @@ def test_the_recorder_hears_forwards_only_while_enabled(vllm_layer_context, fres
     assert recorder.cpu_evaluations[idx] == int((ids >= 3).sum())  # experts 3..7 are on the CPU
 
 
-def test_metrics_time_the_cpu_path_of_layers_with_cpu_experts(vllm_layer_context, fresh_runtime) -> None:
+def test_metrics_time_the_cpu_path_of_layers_with_cpu_experts(vllm_layer_context, fresh_process_state) -> None:
     """KT_METRICS_INTERVAL: one process collector, fed by the layer's CPU-path forwards."""
     layer, _ = hybrid_layer(KT_NUM_GPU_EXPERTS="3", KT_METRICS_INTERVAL="3600")
-    metrics = fresh_runtime.metrics(3600.0)
+    metrics = fresh_process_state.metrics(3600.0)
     assert metrics is not None and metrics.layers == [layer.quant_method.layer_idx]
     for _ in range(2):
         forward(layer, 4)
@@ -112,7 +112,7 @@ def test_metrics_time_the_cpu_path_of_layers_with_cpu_experts(vllm_layer_context
     assert all_gpu.quant_method.layer_idx not in metrics.layers  # no CPU experts: nothing to time
 
 
-def test_the_compiled_op_finds_its_layer_in_the_forward_context(vllm_layer_context, fresh_runtime) -> None:
+def test_the_compiled_op_finds_its_layer_in_the_forward_context(vllm_layer_context, fresh_process_state) -> None:
     """``torch.ops.vllm_kt.hybrid_moe`` (what torch.compile calls on vLLM's CPU build)
     finds the layer by name as vLLM's moe_forward does, and computes the same output."""
     from vllm.forward_context import set_forward_context

@@ -1,5 +1,6 @@
-"""The packages' shape: a one-way stack of modules (no import cycles, deferred imports
-included), the settings catalogue at the bottom, the runtime apart from the tooling, and
+"""The packages' shape: a one-way stack of modules (no import cycles, deferred and
+type-only imports included), the settings catalogue at the bottom, the runtime apart from
+the tooling, hybrid/'s paths and observers below what builds and holds layers, and
 kt-kernel's method list in step with the copy the catalogue keeps."""
 
 from __future__ import annotations
@@ -19,25 +20,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def package_imports() -> dict[str, set[str]]:
-    """module -> package modules it imports anywhere (functions too; not TYPE_CHECKING)."""
+    """module -> package modules it imports anywhere: in functions too, and under ``if
+    TYPE_CHECKING:`` (a type-only import is still a dependency: a circle of them is a
+    circle of modules that need each other to be read)."""
     modules = {module_name(p): p for package in (RUNTIME, TOOLS) for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         found: set[str] = set()
         for node in ast.walk(tree):
-            if _under_type_checking(node, parents):
-                continue
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -67,7 +59,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles_counting_deferred_imports() -> None:
+def test_no_import_cycles_counting_deferred_and_type_only_imports() -> None:
     graph = package_imports()
     assert len(graph) > 30  # the walk found the package
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
@@ -124,6 +116,39 @@ def test_settings_import_nothing_above_them() -> None:
     assert len(settings) >= 7  # catalogue, errors, variables, presets, loader, model facts
     upward = {m: sorted(n for n in graph[m] if not n.startswith(f"{RUNTIME}.settings")) for m in settings}
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
+
+
+# hybrid/'s top: what builds a layer (the config, the method) and what holds the layers of a
+# process. Everything else in hybrid/ (the contracts, the paths, the observers and what they
+# use) sits below it and reaches the process state only through contracts.ProcessState.
+HYBRID = f"{RUNTIME}.hybrid"
+HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "process_state"))
+
+
+def test_hybrid_paths_and_observers_import_nothing_above_them() -> None:
+    graph = package_imports()
+    below = sorted(m for m in graph if m.startswith(f"{HYBRID}.") and m not in HYBRID_TOP)
+    assert {f"{HYBRID}.{m}" for m in ("contracts", "paths", "cpu_path", "split_path", "observers")} <= set(below)
+    upward = {m: sorted(_reachable(graph, m) & HYBRID_TOP) for m in below}
+    assert not any(upward.values()), {m: n for m, n in upward.items() if n}
+
+
+def test_the_process_state_keeps_its_contract() -> None:
+    """The one ProcessState (process_state.HybridProcessState) has every member of the
+    Protocol the layers call, methods with the Protocol's parameters."""
+    import inspect
+
+    from vllm_kt_plugin.hybrid.contracts import ProcessState
+    from vllm_kt_plugin.hybrid.process_state import HybridProcessState
+
+    state = HybridProcessState()
+    attributes = set(ProcessState.__annotations__)
+    methods = {n for n, v in vars(ProcessState).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"staging", "host_experts_after", "split_path_after", "split_probe", "timeline"} <= attributes | methods
+    assert not [a for a in sorted(attributes) if not hasattr(state, a)]
+    for name in sorted(methods):
+        wanted = list(inspect.signature(getattr(ProcessState, name)).parameters)[1:]
+        assert list(inspect.signature(getattr(state, name)).parameters) == wanted, name
 
 
 # vLLM's public interfaces, the only vLLM imports allowed outside hybrid/vllm_compat.py:

@@ -10,8 +10,8 @@ import torch
 from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward
-from vllm_kt_plugin.hybrid.gpu_prefill import FP8_BLOCK
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward
+from vllm_kt_plugin.hybrid.host_experts import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
@@ -342,7 +342,8 @@ def test_gpu_prefill_is_off_by_default(vllm_layer_context) -> None:
 def test_staging_prefetches_the_next_layer_into_the_other_buffer() -> None:
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers, layout_of
+    from vllm_kt_plugin.hybrid.host_memory import layout_of
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
     def host(value: float, experts: int) -> SimpleNamespace:
         tensors = {"w13_weight": torch.full((experts, 4, 2), value)}
@@ -370,14 +371,14 @@ def test_pinned_copies_own_whole_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     block's own allocation (CUDA refuses a page registered twice), holding equal copies."""
     import mmap
 
-    from vllm_kt_plugin.hybrid import gpu_prefill
+    from vllm_kt_plugin.hybrid import host_memory
 
     registered: list[tuple[int, int]] = []
     monkeypatch.setattr(
-        gpu_prefill, "pin_in_place", lambda t: registered.append((t.data_ptr(), t.numel() * t.element_size()))
+        host_memory, "pin_in_place", lambda t: registered.append((t.data_ptr(), t.numel() * t.element_size()))
     )
     tensors = {"w13_weight": torch.randn(3, 10, 7).bfloat16(), "w2_weight": torch.randn(3, 7, 5)}
-    copies = gpu_prefill.pinned_copies(tensors)
+    copies = host_memory.pinned_copies(tensors)
     [(start, nbytes)] = registered
     assert start % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0
     for name, tensor in tensors.items():
@@ -392,7 +393,7 @@ def test_staging_writes_layers_without_a_host_copy() -> None:
     buffer, then copied like a host copy; prefetching it writes it then."""
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
     written: list[float] = []
 
@@ -449,7 +450,7 @@ def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp
 
 def test_auto_gpu_prefill_threshold_or_refusal() -> None:
     """auto: the layer's break-even where nothing refuses, else 0."""
-    from vllm_kt_plugin.hybrid.gpu_prefill_path import auto_min_tokens
+    from vllm_kt_plugin.hybrid.staging_policy import auto_min_tokens
 
     assert auto_min_tokens(None, None, 1024) == 1024
     assert auto_min_tokens(None, "the layer cannot be staged", 1024) == 0
@@ -461,7 +462,7 @@ def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:
     other block scales) must be exactly what the CPU backend writes."""
     from types import SimpleNamespace
 
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
 
     written = {"w13_weight": ((2, 8, 4), torch.bfloat16), "w2_weight": ((2, 4, 4), torch.bfloat16)}
     writer = SimpleNamespace(gpu_layout=lambda n: {k: ((n, *s[1:]), d) for k, (s, d) in written.items()})
@@ -478,7 +479,7 @@ def test_a_writer_whose_layout_differs_is_caught_before_use() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "kt_kernel"])
 def test_split_matches_dense_reference_and_splits(
-    vllm_layer_context, fresh_runtime, tmp_path: Path, backend: str
+    vllm_layer_context, fresh_process_state, tmp_path: Path, backend: str
 ) -> None:
     """KT_GPU_PREFILL_SPLIT=0.5 (the split forced, as on the CPU build): in two consecutive
     layers, forwards at the threshold stage half of their picked CPU experts (most-picked
@@ -547,7 +548,7 @@ class _StageClock:
         return self.now
 
 
-def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, monkeypatch) -> None:
+def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_process_state, monkeypatch) -> None:
     """The start-up probe on a real layer (here the CPU build's: CPU backend = torch, "GPU" =
     vLLM's CPU kernel). Timed for real it yields finite, non-negative costs the model can
     plan with, and leaves the staging counters as they were (it is no forward). Timed by a
@@ -558,7 +559,8 @@ def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, m
     import time
 
     from vllm_kt_plugin.hybrid.split_cost import plan
-    from vllm_kt_plugin.hybrid.split_path import SplitPath, probe
+    from vllm_kt_plugin.hybrid.split_path import SplitPath
+    from vllm_kt_plugin.hybrid.split_probe import probe
 
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="4"))
     load(runner, random_experts(E, seed=43))
@@ -608,7 +610,7 @@ def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_runtime, m
     assert costs.write_s_per_expert == 0  # the torch backend keeps a host copy: nothing written
 
 
-def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_runtime) -> None:
+def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_process_state) -> None:
     """Above ``whole_min_tokens`` (the cost model's choice, path_thresholds) the split stages
     every CPU expert with no routing read-back and leaves nothing to the CPU; below it, it
     plans as before. Matches the dense reference either way."""
@@ -644,7 +646,7 @@ def test_block_fp8_quantization_round_trips() -> None:
     """The FP8 copy's quantizer: 128 x 128 blocks, each scaled to its own largest value
     (partial blocks at the edges too); e4m3 keeps 3 mantissa bits, so each weight comes
     back within 2**-4 of its magnitude (half an ulp), plus the block's subnormal floor."""
-    from vllm_kt_plugin.hybrid.gpu_prefill import quantize_block_fp8
+    from vllm_kt_plugin.hybrid.host_experts import quantize_block_fp8
 
     weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     weight[:128, :128] *= 100  # one block far larger: its scale must not spill into others
@@ -660,7 +662,7 @@ def test_block_fp8_quantization_round_trips() -> None:
     reason="vLLM's CPU build runs block-FP8 MoE only on AMX CPUs (CPUExpertsFp8); the GPU sitting measures it",
 )
 @pytest.mark.parametrize("split", ["auto", "0.5"])
-def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_runtime, split: str) -> None:
+def test_fp8_host_copy_matches_dense_reference(vllm_layer_context, fresh_process_state, split: str) -> None:
     """KT_GPU_PREFILL_FP8_COPY=1: the CPU experts' host copy is block FP8, quantized as the
     checkpoint loads and run by vLLM's FP8 MoE method (here its CPU build's kernel) from the
     staging buffer, whole layer or split; half the bytes of the BF16 copy. Within FP8's
@@ -702,7 +704,7 @@ def test_fp8_host_copy_loads_each_shard_into_its_blocks(vllm_layer_context) -> N
     """The FP8 copy's loader (runs on any CPU, unlike vLLM's FP8 kernel): each checkpoint
     tensor is quantized into its expert's rows of the block-FP8 shadow — gate then up in
     w13, each half with its own block scales, down in w2 — and dequantizes to the tensor."""
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
 
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2"))
     layer = runner.routed_experts

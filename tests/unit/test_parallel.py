@@ -81,12 +81,12 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
     from vllm.distributed import parallel_state
     from vllm.model_executor.models.utils import PPMissingLayer, make_layers
 
-    from vllm_kt_plugin.hybrid import runtime
+    from vllm_kt_plugin.hybrid import process_state
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_tools.support.moe_layers import build_moe
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: _Stage(stage, 2))
-    monkeypatch.setattr(runtime, "_RUNTIME", runtime.HybridRuntime())  # this stage's process holds no other layers
+    monkeypatch.setattr(process_state, "_PROCESS_STATE", process_state.HybridProcessState())  # no other layers
     settings = load_settings({"KT_NUM_GPU_EXPERTS": "2", "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}, cores=4)
     config = KTHybridConfig(settings=settings)
     start, end, modules = make_layers(
@@ -95,7 +95,7 @@ def test_a_pipeline_stage_computes_only_its_own_layers(vllm_layer_context, monke
     assert (start, end) == ((0, 3) if stage == 0 else (3, 6))
     built = [i for i, m in enumerate(modules) if not isinstance(m, PPMissingLayer)]
     assert built == list(range(start, end))
-    methods = runtime.runtime().layers
+    methods = process_state.process_state().layers
     assert [m.layer_idx for m in methods if m.cpu is not None] == built
     # Deferral into the next layer only inside the stage: never out of its last layer,
     # whether the model goes on in the next stage (stage 0) or ends (stage 1).

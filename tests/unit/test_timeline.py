@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS
 from vllm_kt_plugin.hybrid.timeline import ON_DEMAND, PREFETCH, Timeline
 from vllm_kt_tools.bench.timeline import summarize
 

@@ -21,56 +21,25 @@ half at each refresh, so the placement follows recent traffic.
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kt_plugin.hybrid.forward import Forward, ForwardObserver
+from vllm_kt_plugin.hybrid.contracts import Forward, ForwardObserver
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
 from vllm_kt_plugin.hybrid.vllm_compat import DOWN_SHARD, GATE_SHARD, UP_SHARD, load_expert_weight
-from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.swap_log import SwapLog
     from vllm_kt_plugin.planning.placement import ExpertPlacement
 
-logger = logging.getLogger(LOGGER_NAME)
-
 DECAY = 0.5  # the counts' weight after each refresh
-
-
-class SwapLog:
-    """A process's layer swaps, one line each: at INFO the 1st, 10th, 100th, ..., the rest at
-    DEBUG, with the running mean time per layer swap (what moving experts costs, without an
-    INFO line per layer)."""
-
-    def __init__(self) -> None:
-        self.swaps = self.experts = 0
-        self.seconds = 0.0
-
-    def add(self, layer_name: str, pairs: list[tuple[int, int]], seconds: float) -> None:
-        self.swaps += 1
-        self.experts += len(pairs)
-        self.seconds += seconds
-        log = logger.info if math.log10(self.swaps).is_integer() else logger.debug
-        log(
-            "kt-hybrid: dynamic GPU experts: %s: experts %s moved to the GPU, %s to the CPU in %.1f ms; %d layer "
-            "swaps so far moved %d experts, %.1f ms per layer swap on average",
-            layer_name,
-            [p[0] for p in pairs],
-            [p[1] for p in pairs],
-            seconds * 1e3,
-            self.swaps,
-            self.experts,
-            self.seconds / self.swaps * 1e3,
-        )
 
 
 def swaps(counts: torch.Tensor, gpu_mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -118,7 +118,8 @@ class _HostProbe:
         # Submit to result spans everything; the layer waits inside the submit (a backend
         # that computes there) and inside the sync (kt-kernel, whose threads compute
         # meanwhile): span = GPU experts + wait, as on the device clock.
-        self.metrics.add_host(self.layer_idx, LayerTotals(t3 - t0, t2 - t1, (t1 - t0) + (t3 - t2), 1, self.tokens))
+        totals = LayerTotals(t3 - t0, t2 - t1, (t1 - t0) + (t3 - t2), 1, self.tokens)
+        self.metrics.add_host_timed(self.layer_idx, totals)
 
 
 class HybridMetrics:
@@ -167,7 +168,7 @@ class HybridMetrics:
                 time.monotonic(),
             )
 
-    def add_host(self, layer_idx: int, totals: LayerTotals) -> None:
+    def add_host_timed(self, layer_idx: int, totals: LayerTotals) -> None:
         """A host-timed layer forward; published for the report with the forward's last layer,
         so that a report never splits a forward."""
         self._forward[(layer_idx, totals.tokens)] += totals

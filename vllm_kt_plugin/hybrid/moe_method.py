@@ -1,15 +1,16 @@
 """The MoE method of ``kt-hybrid``: what vLLM sees of a layer whose routed experts are
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
-vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route
--> pick a path -> run it, with observers told (``forward``). The paths, in the order they
+vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route ->
+pick a path -> run it, with observers told (``contracts``). The paths, in the order they
 are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every expert on
 the GPU) or, in its place, the split (``split_path``: a part of the CPU experts staged on
 the GPU per forward, the rest on the CPU), and the CPU-experts path (``cpu_path``: submit
-the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder
-and the metrics (``observers``), and dynamic GPU experts (``dynamic_experts``). What the
-layers of a process share lives in ``runtime``; vLLM internals we rely on, in
-``vllm_compat``.
+the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder,
+the metrics and the timeline (``observers``), and dynamic GPU experts
+(``dynamic_experts``). What the layers of a process share, the layer reaches through its
+context (``contracts.ProcessState``, held by ``process_state``); vLLM internals we rely
+on, in ``vllm_compat``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts
 
-    from vllm_kt_plugin.hybrid.runtime import LayerContext
+    from vllm_kt_plugin.hybrid.contracts import LayerContext
 
 logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
 
@@ -235,16 +236,16 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self.paths = build_paths(self.parts)
         self.gpu_prefill = next((p for p in self.paths if isinstance(p, GPUPrefillPath)), None)
         self.observers: list[ForwardObserver] = [
-            RecordsRouting(context.runtime.recorder, self.layer_idx, self.placement)
+            RecordsRouting(context.process.recorder, self.layer_idx, self.placement)
         ]
-        metrics = context.runtime.metrics(settings.metrics_interval_s)
+        metrics = context.process.metrics(settings.metrics_interval_s)
         if metrics is not None and self.cpu is not None:
             self.observers.append(TimesLayer(metrics, self.layer_idx))
         if self.cpu is not None:
-            self.observers.append(RecordsTimeline(context.runtime.timeline, self.layer_idx))
+            self.observers.append(RecordsTimeline(context.process.timeline, self.layer_idx))
         self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
         self._create_args: dict[str, Any] = {}
-        context.runtime.add_layer(self)
+        context.process.add_layer(self)
         logger.info_once(
             "kt-hybrid: each MoE layer keeps %s; GPU side: %s, CPU side: %s %s with %d threads",
             self.placement.describe(),
@@ -351,7 +352,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
                 self.parts.make_shadow_native,
                 self._create_args,
                 self.settings.dynamic_gpu_experts,
-                self.context.runtime.swap_log,
+                self.context.process.swap_log,
             )
             self.observers.insert(0, self.dynamic)  # its refresh moves experts before anyone reads the placement
             logger.info_once(
@@ -364,7 +365,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         """KT_MAX_DEFERRED_EXPERTS_PER_TOKEN, where the next decoder layer is a kt-hybrid
         layer of this process that will add the deferred experts; else 0 (e.g. on the
         last MoE layer), so that no expert output is ever dropped."""
-        adds = self.context.runtime.adds_deferred_experts(self.layer_idx)
+        adds = self.context.process.adds_deferred_experts(self.layer_idx)
         return self.settings.max_deferred_experts_per_token if adds else 0
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig | None:

@@ -1,4 +1,4 @@
-"""Observers of a layer's forwards (``forward.ForwardObserver``): the routing recorder of
+"""Observers of a layer's forwards (``contracts.ForwardObserver``): the routing recorder of
 ``vllm-kt profile``, the per-layer metrics (KT_METRICS_INTERVAL) and the bench's
 per-forward timeline. Dynamic GPU experts
 (``dynamic_experts.DynamicExperts``) observe too. A layer subscribes each where it
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, Forward, ForwardObserver, StageMarks
+from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, StageMarks
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH
 
 if TYPE_CHECKING:
@@ -60,4 +60,5 @@ class RecordsTimeline(ForwardObserver):
         timeline = self.timeline
         if not timeline.enabled or forward.capturing or forward.tokens < timeline.min_tokens:
             return NO_MARKS
-        return timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)
+        marks = timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)
+        return marks if marks is not None else NO_MARKS

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from vllm_kt_plugin.hybrid.runtime import LayerContext
+    from vllm_kt_plugin.hybrid.contracts import LayerContext
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -159,14 +159,15 @@ class KTHybridConfig(QuantizationConfig):
 
     def layer_context(self) -> LayerContext:
         """What a MoE layer of this process is given (not this whole config)."""
-        from vllm_kt_plugin.hybrid.runtime import LayerContext, runtime
+        from vllm_kt_plugin.hybrid.contracts import LayerContext
+        from vllm_kt_plugin.hybrid.process_state import process_state
 
         return LayerContext(
             settings=self.process_settings,
             plan=self.layer_plan,
             backend=self.backend,
             make_native=self.native_moe_method,
-            runtime=runtime(),
+            process=process_state(),
         )
 
     def native_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:

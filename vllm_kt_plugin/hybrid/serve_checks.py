@@ -89,7 +89,7 @@ def check_model(
 def check_gpu_prefill(settings: KTSettings, config: Mapping[str, Any], num_experts: int, *, has_gpu: bool) -> None:
     """A fixed KT_GPU_PREFILL_MIN_TOKENS on a checkpoint whose experts GPU prefill cannot
     stage (``settings.staging``, from the checkpoint's format and this platform; each layer
-    applies the same rule again on the kernel vLLM chose, ``gpu_prefill_path``)."""
+    applies the same rule again on the kernel vLLM chose, ``staging_policy``)."""
     threshold = settings.gpu_prefill_min_tokens
     if not threshold or (not settings.gpu_experts_auto and settings.num_gpu_experts >= num_experts):
         return  # auto decides per layer, 0 is off; no CPU experts: nothing to stage

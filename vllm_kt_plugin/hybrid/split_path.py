@@ -25,49 +25,43 @@ nothing resident (``balanced_count``, from this forward's counts: the next layer
 same tokens). At the next layer, prefetched experts cost no copy and the model takes them
 first; a wrong guess costs only copy-stream time.
 
-**Constants: a start-up probe, logged.** ``probe`` times, on the first layer that takes
-this path (after every layer reserved its staging size): a whole layer's host-to-GPU copy,
-the CPU backend at two token counts spread over all CPU experts, the shadow method at the
-same two, and the routing read-back. It takes well under a second, and it measures this
-host as it runs now: kt-kernel's speed depends on the thread count, the other load and
-the CPU's memory channels, and a weight cache can move between hosts. Other layers scale
-the per-expert numbers by their expert bytes.
+**Constants: a start-up probe, logged** (``split_probe``), on the first layer that takes
+this path; other layers scale its per-expert numbers by their expert bytes.
 
 ``SplitPath`` is a ``gpu_prefill_path.GPUPrefillPath`` (the same host copy, buffers and
 weight lifecycle) that stages a part of the CPU experts per forward; it takes the place of
-the whole-layer stream where ``gpu_prefill_path.splits`` says so (``paths.PATH_BUILDERS``).
+the whole-layer stream where ``staging_policy.splits`` says so (``paths.PATH_BUILDERS``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.forward import Forward, LayerParts, StageMarks
-from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath, gpu_prefill_min_tokens, splits
+from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, SplitNeighbour, StageMarks
+from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
 from vllm_kt_plugin.hybrid.split_cost import (
     SplitCosts,
     SplitPlan,
     balanced_count,
-    fit_costs,
     path_thresholds,
     plan,
     share_plan,
 )
+from vllm_kt_plugin.hybrid.split_probe import probe
+from vllm_kt_plugin.hybrid.staging_policy import gpu_prefill_min_tokens, splits
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
-    from vllm_kt_plugin.hybrid.gpu_prefill import HostExperts, StagingBuffers
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
 
 logger = init_logger(LOGGER_NAME)  # vLLM's logger, for info_once
 
@@ -81,29 +75,6 @@ def _span(start: int, end: int, limit: int) -> str:
     if start > limit or start >= end:
         return "none"
     return f">= {start} tokens" if end > limit else f"{start}-{end - 1} tokens"
-
-
-@dataclass
-class ProbedCosts:
-    """The probe's measurement, per byte of an expert, so that layers of another shape scale."""
-
-    costs: SplitCosts
-    expert_nbytes: int
-
-    def for_host(self, host: HostExperts) -> SplitCosts:
-        scale = host.expert_nbytes / self.expert_nbytes
-        c = self.costs
-        return SplitCosts(
-            copy_s_per_expert=c.copy_s_per_expert * scale,
-            cpu_s_per_expert=c.cpu_s_per_expert * scale,
-            cpu_s_per_pick=c.cpu_s_per_pick * scale,
-            gpu_s_per_expert=c.gpu_s_per_expert * scale,
-            gpu_s_per_pick=c.gpu_s_per_pick * scale,
-            cpu_s_fixed=c.cpu_s_fixed,
-            gpu_s_fixed=c.gpu_s_fixed,
-            overhead_s=c.overhead_s,
-            write_s_per_expert=c.write_s_per_expert * scale if not host.copies else 0.0,
-        )
 
 
 class SplitPath(GPUPrefillPath):
@@ -142,7 +113,7 @@ class SplitPath(GPUPrefillPath):
 
     def after_loading(self, layer: RoutedExperts) -> None:
         super().after_loading(layer)
-        self.parts.context.runtime.add_split_path(self.layer_idx, self)
+        self.parts.context.process.add_split_path(self.layer_idx, self)
 
     def attach(self, host: HostExperts, staging: StagingBuffers) -> None:
         """Use ``host`` and ``staging`` (another path's, loaded: the probe's test)."""
@@ -163,12 +134,12 @@ class SplitPath(GPUPrefillPath):
         return chosen
 
     def _probed_costs(self, dtype: torch.dtype) -> SplitCosts:
-        """One probe per process (the runtime keeps it), scaled to this layer."""
-        runtime = self.parts.context.runtime
-        if runtime.split_probe is None:
-            runtime.split_probe = probe(self, dtype)
+        """One probe per process (the process state keeps it), scaled to this layer."""
+        process = self.parts.context.process
+        if process.split_probe is None:
+            process.split_probe = probe(self, dtype)
         assert self.host is not None
-        return runtime.split_probe.for_host(self.host)
+        return process.split_probe.for_host(self.host)
 
     def predict(self, count: int) -> list[int]:
         """The ``count`` CPU-expert rows this layer picked most in its last forward here."""
@@ -183,8 +154,8 @@ class SplitPath(GPUPrefillPath):
             return f", {self.share:.0%} of each forward's picked CPU experts staged on the GPU (KT_GPU_PREFILL_SPLIT)"
         return ", split between the CPU and the GPU by the cost model (probed on the first such forward)"
 
-    def _next(self) -> SplitPath | None:
-        path = self.parts.context.runtime.split_path_after(self.layer_idx)
+    def _next(self) -> SplitNeighbour | None:
+        path = self.parts.context.process.split_path_after(self.layer_idx)
         return path if path is not self else None
 
     # --- forward -------------------------------------------------------------------------
@@ -288,7 +259,7 @@ class SplitPath(GPUPrefillPath):
         # A layer kt-kernel writes out is written on the threads of the CPU's part; a whole
         # layer of it staged on demand is the split's all-staged case, planned per forward.
         self.whole_min_tokens = whole_from if self.host.copies else NEVER
-        if self.parts.context.runtime.first_split_path() is not self:
+        if self.parts.context.process.first_split_path() is not self:
             return
         logger.info(
             "kt-hybrid: by the probed costs, forwards of %s take the CPU path, %s the split, %s the whole-layer "
@@ -304,7 +275,7 @@ class SplitPath(GPUPrefillPath):
         return self.costs
 
     def _log_whole(self, tokens: int) -> None:
-        if self.whole_forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+        if self.whole_forwards == 1 and self.parts.context.process.first_split_path() is self:
             logger.info(
                 "%s: %s staged all %d of its CPU experts in a forward of %d tokens, the next layer's prefetched",
                 WHOLE_RAN,
@@ -343,7 +314,7 @@ class SplitPath(GPUPrefillPath):
         self.picked_experts += chosen.picked
         if chosen.is_split:
             self.splits += 1
-        if self.forwards == 1 and self.parts.context.runtime.first_split_path() is self:
+        if self.forwards == 1 and self.parts.context.process.first_split_path() is self:
             logger.info(
                 "%s: %s staged %d of the %d CPU experts a forward of %d tokens picked (%d copied now, the rest on "
                 "the CPU)%s",
@@ -357,130 +328,9 @@ class SplitPath(GPUPrefillPath):
             )
 
 
-# --- the probe -----------------------------------------------------------------------------
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` runs after one warm-up, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def probe_points(num_cpu_experts: int, top_k: int, limit: int) -> list[tuple[int, int]]:
-    """(experts, tokens) the probe times, within ``limit`` (kt-kernel's buffer): every CPU
-    expert with about one pick each, and at 1,024 and 4,096 tokens (the split's range,
-    where kt-kernel's cost per pick is not what it is in small batches); a quarter of them
-    with the first count's picks. Enough to tell a forward's fixed cost, an expert's and a
-    pick's apart."""
-    small = min(max(-(-num_cpu_experts // top_k), 1), limit)
-    sizes = sorted({small, min(max(PROBE_TOKENS[0], small), limit), min(max(PROBE_TOKENS[1], small), limit)})
-    return [(num_cpu_experts, n) for n in sizes] + [(max(num_cpu_experts // 4, 1), small)]
-
-
-PROBE_TOKENS = (1024, 4096)
-
-
-def _fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """``fit_costs``, or where the points cannot tell an expert's cost apart (a layer of
-    fewer than four CPU experts) a line through the smallest and largest, no per-expert cost."""
-    try:
-        return fit_costs(points)
-    except ValueError:
-        (_, p1, t1), (_, p2, t2) = points[0], points[-2]
-        slope = max((t2 - t1) / (p2 - p1), 0.0) if p2 != p1 else 0.0
-        return max(t1 - slope * p1, 0.0), 0.0, slope
-
-
-def probe(path: SplitPath, dtype: torch.dtype) -> ProbedCosts:
-    """Measure the cost model's constants on ``path``'s layer with activations of ``dtype``
-    (see the module docstring). It runs in the first forward above the CUDA-graph sizes,
-    which is vLLM's profiling run (``max_num_batched_tokens`` dummy tokens): what its own
-    CPU-backend calls leave behind (kt-kernel's deferral hands results to the next layer)
-    reaches no real output."""
-    host, staging, cpu = path.host, path.staging, path.cpu
-    assert host is not None and staging is not None
-    device = host.cpu_slot_of.device
-    top_k = cpu.spec.top_k
-    m = host.num_experts
-    points = probe_points(m, top_k, cpu.spec.chunked_prefill_size)
-
-    def routing(tokens: int, experts: int = m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        picks = torch.arange(tokens * top_k) % experts  # duplicates within a token only for timing
-        ids = path.cpu_expert_ids[picks].view(tokens, top_k).to(device=device, dtype=torch.int32)
-        x = (torch.randn(tokens, path.hidden_size) * 0.1).to(device=device, dtype=dtype)
-        weights = torch.full((tokens, top_k), 1.0 / top_k, device=device, dtype=torch.float32)
-        return x, ids, weights
-
-    index = 1 - staging.last
-    counters = staging.rows_copied, staging.uses  # the probe is no forward: restored after
-
-    def copy_layer() -> None:
-        staging.owner[index] = None  # forget the rows: copy them all again
-        staging._copy_in(index, host)
-
-    copy_s = _timed(copy_layer, device)
-    write_s = 0.0
-    if not host.copies:  # the write alone, to tell it from the copy
-        write_s = _timed(lambda: staging._written(index, host, list(range(m))), device)
-        copy_s = max(copy_s - write_s, 0.0)
-    staging.owner[index] = None
-    views = staging.wait(staging.start(host), host)
-
-    cpu_points, gpu_points = [], []
-    for experts, tokens in points:
-        x, ids, weights = routing(tokens, experts)
-
-        def on_cpu(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
-            cpu.submit(x, ids, weights)
-            cpu.sync(x)
-
-        def on_gpu(x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
-            host.apply(views, x, weights, ids)
-
-        cpu_points.append((experts, tokens * top_k, _timed(on_cpu, device)))
-        gpu_points.append((experts, tokens * top_k, _timed(on_gpu, device)))
-    staging.rows_copied, staging.uses = counters
-    _, ids, _ = routing(points[-2][1])
-    overhead_s = _timed(lambda: path.counts(ids), device)
-    cpu_fixed, cpu_expert, cpu_pick = _fit(cpu_points)
-    gpu_fixed, gpu_expert, gpu_pick = _fit(gpu_points)
-    costs = SplitCosts(
-        copy_s_per_expert=copy_s / m,
-        cpu_s_per_expert=cpu_expert,
-        cpu_s_per_pick=cpu_pick,
-        gpu_s_per_expert=gpu_expert,
-        gpu_s_per_pick=gpu_pick,
-        cpu_s_fixed=cpu_fixed,
-        gpu_s_fixed=gpu_fixed,
-        overhead_s=overhead_s,
-        write_s_per_expert=write_s / m,
-    )
-    logger.info(
-        "kt-hybrid: split cost model probed on %s (%d CPU experts, %.2f MiB each; (experts, tokens) %s): %s",
-        path.layer_name,
-        m,
-        host.expert_nbytes / 2**20,
-        points,
-        costs.describe(),
-    )
-    return ProbedCosts(costs, host.expert_nbytes)
-
-
 def build(parts: LayerParts) -> SplitPath | None:
     """The layer's split path, or None where the split does not apply to it
-    (``gpu_prefill_path.splits``) or GPU prefill is off for it."""
+    (``staging_policy.splits``) or GPU prefill is off for it."""
     if not splits(parts) or parts.cpu is None:
         return None
     min_tokens = gpu_prefill_min_tokens(parts)

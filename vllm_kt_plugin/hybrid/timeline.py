@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 
-from vllm_kt_plugin.hybrid.forward import NO_MARKS, StageMarks
-
 MAX_STEPS = 256  # steps kept between two reads: a bench run's prefills are a few dozen
 PREFETCH, ON_DEMAND = "prefetch", "on demand"
 
@@ -98,7 +96,8 @@ class _Step:
 
 
 class _LayerMarks:
-    """One recorded layer forward (``StageMarks``)."""
+    """One recorded layer forward (a ``contracts.StageMarks``; this module sits below the
+    contracts, as ``metrics`` does, and its observer hands these to the path)."""
 
     def __init__(self, step: _Step, record: _Layer) -> None:
         self.step, self.record = step, record
@@ -151,11 +150,12 @@ class Timeline:
 
     # --- recording ------------------------------------------------------------------------
 
-    def layer_marks(self, layer_idx: int, tokens: int, path: str, device: torch.device) -> StageMarks:
+    def layer_marks(self, layer_idx: int, tokens: int, path: str, device: torch.device) -> _LayerMarks | None:
+        """Marks for one layer forward, or None once ``MAX_STEPS`` steps wait to be read."""
         step = self.steps[-1] if self.steps else None
         if layer_idx == self.first_layer or step is None or step.tokens != tokens:
             if len(self.steps) >= MAX_STEPS:
-                return NO_MARKS
+                return None
             step = _Step(self.label, tokens, time.perf_counter() - self._since, _Clock(device))
             self.steps.append(step)
         record = _Layer(layer_idx, path, step.clock.mark(), time.perf_counter())

@@ -141,7 +141,7 @@ def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, 
         return method.forward_hybrid(x, weights, ids, layer)
 
     def copy() -> None:  # on the copy stream; acquire makes the timed stream wait for it
-        staging._copy_in(staging.last, host)
+        staging.copy_in(staging.last, host)
         index, _ = staging.acquire(host)
         staging.release(index)
 

@@ -79,7 +79,7 @@ def split_curve_benchmark(
         for method, whole in zip(methods, wholes, strict=True):
             split = SplitPath(method.parts, 1, method.cpu)
             split.attach(whole.host, whole.staging)
-            method.parts.context.runtime.add_split_path(method.layer_idx, split)  # the next layer's prefetch
+            method.parts.context.process.add_split_path(method.layer_idx, split)  # the next layer's prefetch
             splits.append(split)
         gen = torch.Generator(device=device).manual_seed(0)
 

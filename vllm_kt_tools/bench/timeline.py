@@ -23,16 +23,16 @@ ENABLE_RPC, COLLECT_RPC = "kt_bench_timeline_enable", "kt_bench_timeline_collect
 
 def enable_in_worker(worker: Any = None, label: str = "", min_tokens: int | str = MIN_TOKENS) -> None:
     """Record the worker's forwards of ``min_tokens`` or more under ``label`` from now on."""
-    from vllm_kt_plugin.hybrid.runtime import runtime
+    from vllm_kt_plugin.hybrid.process_state import process_state
 
-    runtime().timeline.enable(label, int(min_tokens))
+    process_state().timeline.enable(label, int(min_tokens))
 
 
 def collect_in_worker(worker: Any = None) -> list[dict[str, Any]]:
     """The worker's recorded steps, and recording off."""
-    from vllm_kt_plugin.hybrid.runtime import runtime
+    from vllm_kt_plugin.hybrid.process_state import process_state
 
-    timeline = runtime().timeline
+    timeline = process_state().timeline
     timeline.disable()
     return timeline.collect()
 

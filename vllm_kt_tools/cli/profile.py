@@ -45,10 +45,10 @@ def profile(model: str, prompts: list[Any], max_tokens: int, llm_args: dict[str,
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams  # deferred: after VLLM_ENABLE_V1_MULTIPROCESSING is set
 
-    from vllm_kt_plugin.hybrid.runtime import runtime  # the engine runs in this process
+    from vllm_kt_plugin.hybrid.process_state import process_state  # the engine runs in this process
 
     llm = LLM(model=model, quantization="kt-hybrid", enforce_eager=True, seed=0, **llm_args)
-    recorder = runtime().recorder
+    recorder = process_state().recorder
     recorder.reset()  # vLLM's start-up forwards (memory profiling, warm-up) are not the workload
     recorder.enabled = True
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -235,6 +235,6 @@ class LoadProgress:
             )
 
 
-# The backend's own process state, not the hybrid runtime's (hybrid/runtime.py): backends sit
+# The backend's own process state, not the hybrid layers' (hybrid/process_state.py): backends sit
 # below the layers and import nothing of them; one count per process, as the log lines say.
 PROGRESS = LoadProgress()

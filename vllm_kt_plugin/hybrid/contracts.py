@@ -1,4 +1,4 @@
-"""The shape of one hybrid forward: route -> pick a path -> run it, with observers told.
+"""The contracts of one hybrid forward: route -> pick a path -> run it, with observers told.
 
 A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs the first
 that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
@@ -11,6 +11,12 @@ where it keeps weights of its own (GPU prefill's host copy).
 ``StageMarks`` to time its stages (submit, GPU experts, sync). Like the stages of vLLM's
 modular kernel (prepare / experts / finalize), the points are fixed; what happens at them
 is each observer's business.
+
+A layer is given a ``LayerContext`` by the quantization config; through it, it reaches what
+the layers of its process share as a ``ProcessState`` (the staging buffers, the next layer's
+host copy or split path, the probed costs, the recorders): a Protocol of the calls made,
+which ``process_state.HybridProcessState`` implements. So this module, the paths and the
+observers import nothing above them: no module of ``hybrid/`` that builds or holds layers.
 """
 
 from __future__ import annotations
@@ -28,8 +34,16 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
-    from vllm_kt_plugin.hybrid.runtime import LayerContext
+    from vllm_kt_plugin.hybrid.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.metrics import HybridMetrics
+    from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
+    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
+    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.swap_log import SwapLog
+    from vllm_kt_plugin.hybrid.timeline import Timeline
+    from vllm_kt_plugin.planning.layer_plan import LayerPlan
     from vllm_kt_plugin.planning.placement import ExpertPlacement
+    from vllm_kt_plugin.settings.variables import KTSettings
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,84 @@ class Forward:
     @property
     def tokens(self) -> int:
         return self.x.shape[0]
+
+
+class SplitNeighbour(Protocol):
+    """What a split path reads of the next layer's (``split_path.SplitPath``) to prefetch
+    that layer's predicted part into the other staging buffer."""
+
+    host: HostExperts | None
+
+    @property
+    def by_expert(self) -> bool: ...
+
+    def predict(self, count: int) -> list[int]: ...
+
+
+class HybridLayer(Protocol):
+    """What the process state reads of a layer's method (``moe_method.KTHybridMoEMethod``):
+    its decoder index and whether this rank computes its CPU experts."""
+
+    layer_idx: int
+    cpu: CPUExperts | None
+
+
+class ProcessState(Protocol):
+    """What the kt-hybrid layers of one process share, as a layer reaches it (its context's
+    ``process``; ``process_state.HybridProcessState``, one per process, implements it)."""
+
+    # GPU prefill: the host copies in decoder order and the staging buffers they share
+    host_experts: list[tuple[int, HostExperts]]
+
+    def add_host_experts(self, layer_idx: int, host: HostExperts) -> None: ...
+
+    def host_experts_after(self, layer_idx: int) -> HostExperts:
+        """The host copy of the next layer that has one (wrapping to the first): GPU
+        prefill prefetches it while ``layer_idx`` computes."""
+        ...
+
+    def staging(self, device: torch.device) -> StagingBuffers:
+        """The two GPU-prefill buffers of ``device``, shared by its layers."""
+        ...
+
+    # the split: its paths in decoder order and the costs probed once per process
+    split_probe: ProbedCosts | None
+
+    def add_split_path(self, layer_idx: int, path: SplitNeighbour) -> None: ...
+
+    def split_path_after(self, layer_idx: int) -> SplitNeighbour | None:
+        """The split path of the next layer that has one (wrapping to the first): the
+        split prefetches its predicted part while ``layer_idx`` computes."""
+        ...
+
+    def first_split_path(self) -> SplitNeighbour | None: ...
+
+    # the layers themselves (deferral) and what their observers report to
+    recorder: RoutingRecorder
+    timeline: Timeline
+    swap_log: SwapLog
+
+    def add_layer(self, layer: HybridLayer) -> None: ...
+
+    def adds_deferred_experts(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` + 1 is a layer of this process that computes
+        CPU experts, and so adds the experts ``layer_idx`` defers to it."""
+        ...
+
+    def metrics(self, interval_s: float) -> HybridMetrics | None:
+        """The one metrics collector (None when KT_METRICS_INTERVAL=0)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What one kt-hybrid MoE layer is given by the quantization config."""
+
+    settings: KTSettings  # this process's (threads and NUMA nodes of its host share)
+    plan: LayerPlan  # placements, and why GPU prefill's auto stays off
+    backend: type[CPUExperts]
+    make_native: Callable[[RoutedExperts, str], FusedMoEMethodBase]  # the checkpoint's method for a layer
+    process: ProcessState
 
 
 @dataclass(frozen=True)

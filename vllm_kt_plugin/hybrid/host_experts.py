@@ -1,11 +1,6 @@
-"""Large prefill batches on the GPU (KT_GPU_PREFILL_MIN_TOKENS).
-
-In a batch of thousands of tokens nearly every expert is picked many times, so the CPU's
-compute, not its memory bandwidth, bounds the CPU experts; the GPU has far more. Then the
-layer computes its CPU experts on the GPU too, with a second instance of the native
-method, their weights copied from host memory into one of two GPU buffers shared by all
-layers. While one layer computes from one buffer, the next layer's weights stream into
-the other on a copy stream, so PCIe time hides behind compute wherever compute is longer.
+"""GPU prefill's CPU experts on the host: ``HostExperts``, one layer's CPU experts in the
+native method's runtime format, from which the staging buffers (``staging_buffers``) copy
+them to the GPU, and which computes them there from the staged weights.
 
 The host copy is the native method's own runtime format: each layer gets a *shadow* of
 its vLLM layer (``hybrid.shadow``) holding only the CPU experts, on the CPU, built, loaded
@@ -28,9 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import math
-import mmap
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +30,8 @@ import torch
 
 from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, fill_dummy_experts
 from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
+from vllm_kt_plugin.hybrid.host_memory import layout_nbytes, layout_of, pinned_copies
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
-from vllm_kt_plugin.hybrid.timeline import ON_DEMAND, PREFETCH, Timeline
 from vllm_kt_plugin.hybrid.vllm_compat import (
     DOWN_SHARD,
     GATE_SHARD,
@@ -55,7 +47,6 @@ from vllm_kt_plugin.hybrid.vllm_compat import (
     use_moe_kernel,
 )
 from vllm_kt_plugin.planning.placement import route_to_gpu_slots
-from vllm_kt_plugin.settings.catalogue import GIB, LOGGER_NAME
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -64,60 +55,6 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
-
-logger = logging.getLogger(LOGGER_NAME)
-
-
-def pin_in_place(tensor: torch.Tensor) -> None:
-    """Page-lock a tensor's own memory (cudaHostRegister), so copies from it run async.
-    Not ``pin_memory()``: PyTorch's caching host allocator rounds every pinned block up to
-    a power of two, which would turn a layer's 0.6 + 0.3 GB of experts into 1 + 0.5 GB, on
-    every layer. A refusal is fatal: it leaves CUDA's sticky last error set, which the
-    next CUDA call would raise far from here."""
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    code = int(getattr(error, "value", error))
-    if code != 0:
-        raise RuntimeError(
-            f"kt-hybrid GPU prefill: CUDA could not page-lock {tensor.numel() * tensor.element_size() / GIB:.2f} GiB "
-            f"for the CPU experts' host copy (cudaHostRegister error {code}); check `ulimit -l` and the RAM check "
-            "of `vllm-kt doctor`, or set KT_GPU_PREFILL_MIN_TOKENS=0"
-        )
-
-
-def pinned_empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Tensors of ``layout`` in one page-locked block of whole pages that no other
-    allocation shares (CUDA refuses to register a page twice; small tensors from the heap
-    share pages), registered once."""
-    nbytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in layout.items()}
-    sizes = {name: -(-n // _PAGE) * _PAGE for name, n in nbytes.items()}
-    raw = torch.empty(sum(sizes.values()) + 2 * _PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _PAGE
-    block = raw[start : start + sum(sizes.values())]
-    pin_in_place(block)
-    views, offset = {}, 0
-    for name, (shape, dtype) in layout.items():
-        views[name] = block[offset : offset + nbytes[name]].view(dtype).view(shape)
-        offset += sizes[name]
-    return views
-
-
-def pinned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` in one page-locked block (see ``pinned_empty``)."""
-    copies = pinned_empty(layout_of(tensors))
-    for name, tensor in tensors.items():
-        copies[name].copy_(tensor)
-    return copies
-
-
-def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    return {name: (t.shape, t.dtype) for name, t in tensors.items()}
-
-
-def layout_nbytes(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> int:
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
-
-
-_PAGE = mmap.PAGESIZE
 
 
 FP8_BLOCK = 128  # rows and columns of one block of a block-FP8 copy (kt-kernel's and DeepSeek's)
@@ -336,200 +273,3 @@ class HostExperts:
         if key not in self._kernels:
             self._kernels[key] = rebuild_moe_kernel(self.native, self.shadow)
         use_moe_kernel(self.native, self._kernels[key])
-
-
-class StagingBuffers:
-    """Two device buffers shared by every layer: one is computed from while the next
-    layer's weights are copied into the other (copy stream, events) under CUDA; on the
-    CPU platform the copy is a plain synchronous one. Layers whose experts a CPU backend
-    writes (no host copy) are written into one of two host buffers first.
-
-    Experts are staged by row (the split stages some of a layer's CPU experts, each into
-    its own CPU-expert row): each buffer remembers which rows of its owner it holds, so a
-    prefetched part is not copied again and a whole layer is one copy per tensor."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.numel: dict[str, tuple[int, torch.dtype]] = {}  # per weight: the largest layer's
-        self.slots: list[dict[str, torch.Tensor]] = []
-        self.host_slots: list[dict[str, torch.Tensor]] = []  # for written layers, made on first use
-        self.owner: list[HostExperts | None] = [None, None]
-        self.rows: list[set[int]] = [set(), set()]  # rows of the owner each buffer holds
-        self.rows_copied = 0  # expert rows copied in so far, for tests and the bench
-        self.fresh = [0, 0]  # rows copied into each buffer since its forward last asked (the split's model)
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-        self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-        self.uses = 0  # layers computed through the buffers, for tests and the log
-        self.last = 1
-        self.timeline: Timeline | None = None  # told of every copy (the bench's per-forward timeline)
-
-    def reserve(self, host: HostExperts) -> None:
-        """Grow the planned buffers to hold ``host`` (before the first use). Flat, so
-        layers of any shape fit."""
-        for name, (shape, dtype) in host.layout.items():
-            numel, _ = self.numel.get(name, (0, dtype))
-            self.numel[name] = (max(numel, math.prod(shape)), dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * sum(n * d.itemsize for n, d in self.numel.values())
-
-    def _allocate(self) -> None:
-        # Zeros, not empty: a row no pick reaches may still be read with weight 0 by
-        # kernels that ignore expert maps (vLLM's CPU ones); it must hold no NaN.
-        self.slots = [
-            {name: torch.zeros(n, dtype=dtype, device=self.device) for name, (n, dtype) in self.numel.items()}
-            for _ in range(2)
-        ]
-
-    def _views(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
-        return _shaped(self.slots[index], host.layout)
-
-    def _written(self, index: int, host: HostExperts, rows: list[int]) -> dict[str, torch.Tensor]:
-        """``host``'s experts of ``rows``, written by its CPU backend into host buffer
-        ``index`` (its first ``len(rows)`` rows) once the copy that last read that buffer
-        is done."""
-        if not self.host_slots:
-            flat = {name: (torch.Size([n]), dtype) for name, (n, dtype) in self.numel.items()}
-            self.host_slots = [pinned_empty(flat) if self.cuda else _empty(flat) for _ in range(2)]
-        if self.cuda:
-            self.ready[index].synchronize()  # the last copy out of this host buffer
-        layout = {name: (torch.Size([len(rows), *shape[1:]]), dtype) for name, (shape, dtype) in host.layout.items()}
-        views = _shaped(self.host_slots[index], layout)
-        host.write(views, rows)
-        return views
-
-    def _copy_in(self, index: int, host: HostExperts, rows: list[int] | None = None, kind: str = ON_DEMAND) -> None:
-        """Copy ``host``'s experts of ``rows`` (all by default) into buffer ``index``,
-        each into its own row; rows it already holds for ``host`` are not copied again
-        (``kind``: a prefetch or a copy on demand, for the timeline)."""
-        if not self.slots:
-            self._allocate()
-        if self.owner[index] is not host:
-            self.owner[index] = host
-            self.rows[index] = set()
-            self.fresh[index] = 0
-        every = rows is None
-        wanted = range(host.num_experts) if rows is None else rows
-        missing = sorted(r for r in set(wanted) if r not in self.rows[index])
-        if not missing:
-            return
-        views = self._views(index, host)
-        if host.copies:
-            source = host.tensors
-            pairs = [(r, r) for r in missing]  # (source row, buffer row)
-        else:
-            source = self._written(index, host, missing)
-            pairs = list(enumerate(missing))
-        runs = [(0, 0, host.num_experts)] if every and not self.rows[index] and host.copies else _runs(pairs)
-        self.rows[index].update(missing)
-        self.rows_copied += len(missing)
-        self.fresh[index] += len(missing)
-        timeline = self.timeline if self.timeline is not None and self.timeline.enabled else None
-        if not self.cuda:
-            copy = timeline.copy_started(host, len(missing), kind, None) if timeline else None
-            _copy_runs(views, source, runs, non_blocking=False)
-            if timeline:
-                timeline.copy_done(copy, None)
-            return
-        assert self.stream is not None
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.free[index])  # the layer computing from it is done
-            copy = timeline.copy_started(host, len(missing), kind, self.stream) if timeline else None
-            _copy_runs(views, source, runs, non_blocking=True)
-            if timeline:
-                timeline.copy_done(copy, self.stream)
-            self.ready[index].record(self.stream)
-
-    def _slot_of(self, host: HostExperts) -> int | None:
-        return next((i for i, owner in enumerate(self.owner) if owner is host), None)
-
-    def resident(self, host: HostExperts) -> set[int]:
-        """The rows of ``host`` a buffer holds or is copying in (prefetched)."""
-        index = self._slot_of(host)
-        return set(self.rows[index]) if index is not None else set()
-
-    def take_prefetched(self, host: HostExperts) -> int:
-        """Rows copied in for ``host`` since its forward last asked (its prefetch): copy-stream
-        time spent whether or not this forward uses them. Counted once: the next ask starts
-        from zero."""
-        index = self._slot_of(host)
-        if index is None:
-            return 0
-        fresh, self.fresh[index] = self.fresh[index], 0
-        return fresh
-
-    def acquire(self, host: HostExperts, rows: list[int] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        """``host``'s weights (of ``rows``, by default all) on the device, copied now
-        unless prefetched."""
-        index = self.start(host, rows)
-        return index, self.wait(index, host)
-
-    def start(self, host: HostExperts, rows: list[int] | None = None) -> int:
-        """Start copying what ``acquire`` needs (the split queues GPU work before it
-        waits); returns the buffer's index."""
-        index = self._slot_of(host)
-        if index is None:
-            index = 1 - self.last
-        self._copy_in(index, host, rows)
-        return index
-
-    def wait(self, index: int, host: HostExperts) -> dict[str, torch.Tensor]:
-        """Work queued on the current stream from now on sees buffer ``index`` copied."""
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.ready[index])
-        self.fresh[index] = 0  # its copies on demand: the forward's plan counted them
-        self.uses += 1
-        self.last = index
-        return self._views(index, host)
-
-    def prefetch(self, host: HostExperts, busy: int, rows: list[int] | None = None) -> None:
-        """Start copying ``host`` (its ``rows``, by default all) into the buffer that slot
-        ``busy``'s layer does not use (a written layer is written first, which blocks this
-        thread meanwhile)."""
-        index = self._slot_of(host)
-        if index is None or index == 1 - busy:
-            self._copy_in(1 - busy, host, rows, PREFETCH)
-
-    def release(self, index: int) -> None:
-        if self.cuda:
-            self.free[index].record(torch.cuda.current_stream())
-
-    def describe(self) -> str:
-        return f"{self.nbytes / GIB:.2f} GiB of GPU staging buffers (2 x the largest layer's CPU experts)"
-
-
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(source row, buffer row) pairs, ascending, as runs (source start, buffer start,
-    length) of consecutive rows: one copy per run and tensor."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
-
-
-def _copy_runs(
-    views: dict[str, torch.Tensor],
-    source: dict[str, torch.Tensor],
-    runs: list[tuple[int, int, int]],
-    non_blocking: bool,
-) -> None:
-    for name, tensor in source.items():
-        for src, dst, n in runs:
-            views[name][dst : dst + n].copy_(tensor[src : src + n], non_blocking=non_blocking)
-
-
-def _empty(layout: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
-
-
-def _shaped(
-    flat: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, torch.dtype]]
-) -> dict[str, torch.Tensor]:
-    """Views of the start of flat buffers in ``layout``'s shapes."""
-    return {name: flat[name][: math.prod(shape)].view(shape) for name, (shape, _) in layout.items()}
