@@ -227,6 +227,12 @@ def test_append_continues_the_same_sitting(tmp_path: Path) -> None:
         continue_sitting({**report, "layers": 48}, out)
     continue_sitting(fresh := {**earlier, "runs": []}, tmp_path / "none.json")  # nothing to continue
     assert fresh["runs"] == [] and "commands" not in fresh
+    # a second --append to a JSON appended to once (it holds "commands", no "command": the H100
+    # sitting of 2026-12-06 stopped here with a KeyError before sglang-kt's retry)
+    out.write_text(json.dumps({**{k: v for k, v in report.items() if k != "command"}}))
+    third = {**earlier, "command": "vllm-kt bench --systems sglang-kt --append", "runs": []}
+    continue_sitting(third, out)
+    assert third["commands"] == [*report["commands"], "vllm-kt bench --systems sglang-kt --append"]
 
 
 def test_prepare_quantizes_what_the_engine_would_load(tmp_path: Path) -> None:

@@ -175,7 +175,9 @@ def continue_sitting(report: dict[str, Any], out: Path) -> None:
         report["kernel_sweep"] = earlier["kernel_sweep"]
     if "server_engine" in earlier:  # likewise its server runs (run_server_engine checks the workload)
         report["server_engine"] = earlier["server_engine"]
-    report["commands"] = earlier.get("commands", [earlier["command"]]) + [report.pop("command")]
+    # a JSON appended to once holds "commands" and no "command" (get()'s default would be read anyway)
+    before = earlier["commands"] if "commands" in earlier else [earlier["command"]]
+    report["commands"] = before + [report.pop("command")]
 
 
 def prepare_runs(runs: list[RunSpec], hf_config: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
