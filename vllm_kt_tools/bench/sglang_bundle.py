@@ -82,6 +82,10 @@ ROOTS = (
     "sglang.srt.layers.moe.kt_ep_wrapper",
     "sglang.srt.layers.attention.flashattention_backend",  # fa3, the default on sm90
     "sglang.srt.layers.sampler",
+    # the scheduler builds its grammar backend at start whether or not a request asks for one:
+    # sglang-kt's server_args defaults it to llguidance (xgrammar would clash with transformers-kt);
+    # trimming llguidance killed the scheduler on the H100 of 2026-12-06 after CUDA-graph capture
+    "sglang.srt.constrained.llguidance_backend",
     "kt_kernel",
     "sgl_kernel",
 )
@@ -102,7 +106,6 @@ TRIMMED: dict[str, str] = {
     "hf_transfer": "faster Hugging Face downloads; the host is offline and the model local",
     "tilelang": "DeepSeek-V4's kernels (sglang.jit_kernel.deepseek_v4 imports it inside its kernel builders)",
     "z3_solver": "SMT solver of sympy.logic's z3 wrapper and tilelang; imported only inside functions",
-    "llguidance": "a grammar backend for constrained decoding; the benchmark asks for none",
     "pycountry": "country names of outlines' structured-output types; no constrained decoding here",
     "flashinfer_cubin": "flashinfer's optional precompiled cubins (TensorRT-LLM-gen attention and MoE for "
     "Blackwell, its DeepGEMM for FP8); flashinfer runs without it, and the benchmark serves BF16 with FA3 "
