@@ -41,3 +41,16 @@ def test_a_real_pytest_run_is_summarized(tmp_path: Path) -> None:
         by_id["test_sample.py::test_skipped"]["outcome"] == "skipped"
         and "no GPU" in by_id["test_sample.py::test_skipped"]["reason"]
     )
+
+
+def test_a_run_killed_before_its_xml_says_so(tmp_path: Path) -> None:
+    """run_h200.sh caps the GPU tests' time: pytest killed by it writes no XML, and the summary
+    says that instead of failing (the H100 sitting of 2026-12-06 lost its gpu-tests JSON so)."""
+    import json
+
+    from vllm_kt_tools.bench.pytest_summary import main
+
+    out = tmp_path / "summary.json"
+    main([str(tmp_path / "missing.xml"), "--out", str(out), "--command", "pytest -m gpu"])
+    summary = json.loads(out.read_text())
+    assert summary["tests"] == [] and "did not finish" in summary["error"] and summary["command"] == "pytest -m gpu"
