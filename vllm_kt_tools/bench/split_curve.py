@@ -44,7 +44,8 @@ def split_curve_benchmark(
     from vllm.v1.worker.workspace import init_workspace_manager
 
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
-    from vllm_kt_plugin.hybrid.split_path import SplitPath
+    from vllm_kt_plugin.hybrid.split_cost import path_thresholds
+    from vllm_kt_plugin.hybrid.split_path import NEVER, SplitPath
     from vllm_kt_plugin.settings.loader import load_settings
 
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
@@ -94,7 +95,9 @@ def split_curve_benchmark(
                 for (layer, method), (ids, weights) in zip(stack, routes, strict=True):
                     method.forward_hybrid(x, weights, ids, layer)
 
-            forward()  # warm-up (and, the first time, the split's probe)
+            forward()  # warm-up (and, the first time, the split's probe and its path choice)
+            for split in splits:  # the split's own plan at every size: not the choice the engine would make
+                split.plan_min_tokens, split.whole_min_tokens = 1, NEVER
             forward()
             if not cuda:
                 started = time.perf_counter()
@@ -124,6 +127,12 @@ def split_curve_benchmark(
                 print(f"[split-curve] {n} tokens: {row}", flush=True)
         costs = splits[0].costs
         results["cost_model"] = None if costs is None else {k: v for k, v in vars(costs).items()}
+        if costs is not None:  # what the engine's forwards take by these costs (split_cost.path_thresholds)
+            spec = methods[0].cpu.spec
+            split_from, whole_from = path_thresholds(
+                costs, splits[0].host.num_experts, spec.num_experts, spec.top_k, spec.chunked_prefill_size
+            )
+            results["auto_paths"] = {"split_from_tokens": split_from, "whole_layer_from_tokens": whole_from}
         results["staged_gib_per_layer"] = round(wholes[0].host.staged_nbytes / 2**30, 3)
         results["cpu_experts_per_layer"] = methods[0].placement.num_cpu_experts
     return results
