@@ -141,6 +141,7 @@ def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, 
         return method.forward_hybrid(x, weights, ids, layer)
 
     def copy() -> None:  # on the copy stream; acquire makes the timed stream wait for it
+        staging.forget(staging.last)  # else the buffer holds the layer already and nothing is copied
         staging.copy_in(staging.last, host)
         index, _ = staging.acquire(host)
         staging.release(index)
