@@ -34,7 +34,7 @@ export BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 export METHODS=AMXINT4
 export SGLANG_PYTHON=${SGLANG_PYTHON:-/root/sglsite/python}
 mkdir -p "$BENCH_OUT"
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]*' | tr 'H' 'h')
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')  # H100 80GB HBM3 -> h100
 SERVER_JSON=${card:-gpu}_h2h_server_qwen3_30b_a3b.json
 ENGINE_JSON=${card:-gpu}_h2h_engine_qwen3_30b_a3b.json
 # 16-token decode runs (pairs of 16 and 32 new tokens): five pairs at batch 16 take about a
@@ -54,13 +54,17 @@ leftovers() {
   fi
 }
 
-FROM=${H2H_FROM:-1}  # resume a sitting from this stage (a host that kept what the earlier ones made)
-if [ "$FROM" -le 1 ]; then
+# H2H_FROM=N resumes a sitting from stage N on a host that kept what the earlier ones made
+# (after benchmarks/sittings/stop.sh: run that from a call whose command names no sitting script)
+from() { [ "${H2H_FROM:-1}" -le "$1" ]; }
+
+if from 1; then
   stage "1 prepare (AMXINT4 experts, no GPU)"
   STAGES=prepare bash benchmarks/run_h200.sh
   leftovers prepare
 fi
 
+from 2 && {
 stage "2 kt-hybrid behind vllm serve: decode, prefills, timeline, load"
 KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=${H2H_LOAD:-1000:64} \
   SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384" SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
@@ -75,7 +79,9 @@ if python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['server_engine'][
     SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
   leftovers kt-hybrid-exact-copy
 fi
+}
 
+from 3 && {
 stage "3 GPU accuracy tests beside sglang-kt's install and check"
 GPU_TEST_FILES=tests/engine/test_gpu.py GPU_TESTS=fp8_copy_drift GPU_TESTS_TIMEOUT=${ACCURACY_TIMEOUT_S:-300} \
   GPU_TESTS_JSON=${card:-gpu}_fp8_copy_accuracy.json STAGES=gpu-tests bash benchmarks/run_h200.sh &
@@ -85,17 +91,22 @@ tests=$!
 GPU_FREE_WAIT_S=0 SGLANG_WAIT_S=${SGLANG_WAIT_S:-900} STAGES="sglang-install sglang-check" bash benchmarks/run_h200.sh
 wait $tests
 leftovers gpu-tests
+}
 
+from 4 && {
 stage "4 sglang-kt behind its own server: the documented point, then the mirror of kt-hybrid's; the load"
 KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=sglang-kt SERVER_LOAD=${H2H_LOAD:-1000:64} \
   SGLANG_SWEEP=${SGLANG_POINTS:-documented,mirror} SERVER_ENGINE_ARGS="--append --max-num-batched-tokens 16384" \
   SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
 leftovers sglang-kt
+}
 
+from 5 && {
 stage "5 vLLM's expert-only offloader, engine mode"
 KERNEL_SWEEP=0 STAGES=peers PEER_SYSTEMS=vllm-offload-experts BENCH_ARGS="$BENCH_ARGS --decode-tokens 8 --decode-repeats 3" \
   BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
 leftovers offloader
+}
 
 stage "6 the kernel sweep"
 STAGES=sweep BENCH_JSON=$ENGINE_JSON bash benchmarks/run_h200.sh
