@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_kt_tools.bench import routing
-from vllm_kt_tools.bench.engine_child import TTFT_SEEDS, decode_rate, decode_repeats, decode_summary, random_prompts
+from vllm_kt_tools.bench.engine_child import (
+    MODEL_LOAD_RE,
+    TTFT_SEEDS,
+    decode_rate,
+    decode_repeats,
+    decode_summary,
+    random_prompts,
+)
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS
 from vllm_kt_tools.bench.load_runs import Load, bench_serve
 from vllm_kt_tools.bench.routing import TEMPERATURE
@@ -165,6 +172,9 @@ def server_engine_run(
                 result["load"] = bench_serve(server.base_url, f"load-{name}", model, load)
     except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:  # urllib's errors are OSErrors
         result["error"] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+    if routed and "gpu_weight_gb" not in result:  # a vLLM server: the weight memory it reported
+        loaded = MODEL_LOAD_RE.findall(server.log_path.read_text(errors="replace")) if server.log_path.is_file() else []
+        result["gpu_weight_gb"] = float(loaded[0]) if loaded else None
     figures = ("decode_bs1_tok_s", "decode_bs16_tok_s", "prefill_tok_s", "ttft_one_prompt_s", "prefill_long_tok_s")
     outcome = ", ".join(f"{name} {result.get(name)}" for name in figures)
     if "error" in result:

@@ -57,6 +57,9 @@ def _cells(run: dict[str, Any]) -> list[str]:
     for _, key, unit, digits in COLUMNS:
         value = run.get(key)
         cells.append(f"{_number(value, digits)} {unit}" if value else "n/a")
+    load = run.get("load") or {}  # --server-engine --load: the load against the same server
+    served = load.get("output_throughput")
+    cells.append(f"{_number(served, 1)} tok/s ({load['prompts']} at {load['concurrency']})" if served else "n/a")
     routing = (run.get("routing") or {}).get("bs16") or {}
     measured = routing.get("measured_distinct_per_layer_step")
     cells.append(f"{measured:.1f} of {routing['expected_independent']:.1f}" if measured else "n/a")
@@ -73,7 +76,7 @@ def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _decode_row(name: str, bs1: float | None, bs16: float | None) -> list[str]:
     """A row with decode figures only (the host's own figures beside the runs')."""
     decode = [f"{_number(v, 1)} tok/s" if v else "n/a" for v in (bs1, bs16)]
-    return [name, "—", *decode, *("—" for _ in COLUMNS[2:]), "—"]
+    return [name, "—", *decode, *("—" for _ in COLUMNS[2:]), "—", "—"]
 
 
 def _host_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -96,7 +99,13 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def _table(rows: list[list[str]]) -> str:
-    header = ["system", "GPU weights", *(column for column, *_ in COLUMNS), "experts per layer, batch 16"]
+    header = [
+        "system",
+        "GPU weights",
+        *(column for column, *_ in COLUMNS),
+        "load, output",
+        "experts per layer, batch 16",
+    ]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
