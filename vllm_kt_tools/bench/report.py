@@ -167,13 +167,17 @@ def sitting_time(path: Path) -> float:
     return float(out) if out else path.stat().st_mtime
 
 
-def newest_engine_sitting(results: Path) -> Path:
-    """The newest ``vllm-kt bench`` result with engine runs (decode figures) in ``results``."""
+def sitting_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """A sitting's measured runs: its engine runs, then its server runs (``--server-engine``)."""
+    return [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
+
+
+def newest_sitting(results: Path) -> Path:
+    """The newest ``vllm-kt bench`` result with decode figures (engine or server runs) in ``results``."""
     sittings = []
     for path in results.glob("*.json"):
-        runs = json.loads(path.read_text()).get("runs") or []
-        if any("decode_bs1_tok_s" in r for r in runs):
+        if any("decode_bs1_tok_s" in r for r in sitting_runs(json.loads(path.read_text()))):
             sittings.append((sitting_time(path), path.name, path))
     if not sittings:
-        raise FileNotFoundError(f"no engine benchmark results in {results}")
+        raise FileNotFoundError(f"no engine or server benchmark results in {results}")
     return max(sittings)[2]

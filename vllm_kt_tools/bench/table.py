@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.bench.report import kernel_alone_tok_s
+from vllm_kt_tools.bench.report import kernel_alone_tok_s, sitting_runs
 
 SYSTEM_NAMES = {
     "vllm-gpu": "vLLM, all on GPU",
@@ -68,11 +68,6 @@ def _cells(run: dict[str, Any]) -> list[str]:
     return cells
 
 
-def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Engine runs, then server runs."""
-    return [*report.get("runs", []), *report.get("server_engine", {}).get("runs", [])]
-
-
 def _decode_row(name: str, bs1: float | None, bs16: float | None) -> list[str]:
     """A row with decode figures only (the host's own figures beside the runs')."""
     decode = [f"{_number(v, 1)} tok/s" if v else "n/a" for v in (bs1, bs16)]
@@ -95,7 +90,7 @@ def _host_rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def _rows(report: dict[str, Any]) -> list[list[str]]:
-    return [*(_cells(run) for run in _runs(report)), *_host_rows(report)]
+    return [*(_cells(run) for run in sitting_runs(report)), *_host_rows(report)]
 
 
 def _table(rows: list[list[str]]) -> str:
