@@ -66,6 +66,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     config = json.loads((model / "config.json").read_text())
     timeline = run["timeline"]
     steps, summary = timeline["steps"], timeline["summary"]
+    assert "split_costs" not in timeline  # read back, and none: no forward takes the split on this build
     prefill = run["prefill_prompt_tokens"]
     batch = [s for s in steps if s["label"] == f"8 x {prefill}"]
     assert sum(s["tokens"] for s in batch) == 8 * prefill, [(s["label"], s["tokens"]) for s in steps]

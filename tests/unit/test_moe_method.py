@@ -10,7 +10,7 @@ import torch
 from kt_testing.hardware import kt_variant, requires_kernel, skip_without_kernel
 from safetensors.torch import save_file
 
-from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward
+from vllm_kt_plugin.hybrid.contracts import Forward
 from vllm_kt_plugin.hybrid.host_experts import FP8_BLOCK
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.moe_method import KTHybridMoEMethod
@@ -613,9 +613,11 @@ def test_split_probe_measures_what_it_times(vllm_layer_context, fresh_process_st
 def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fresh_process_state) -> None:
     """Above ``whole_min_tokens`` (the cost model's choice, path_thresholds) the split stages
     every CPU expert with no routing read-back and leaves nothing to the CPU; below it, it
-    plans as before. Matches the dense reference either way."""
-    from vllm_kt_plugin.hybrid.split_cost import SplitCosts
+    plans as before, and below ``plan_min_tokens`` it leaves every expert to the CPU. Matches
+    the dense reference each way, and names the way it ran to the timeline."""
+    from vllm_kt_plugin.hybrid.split_cost import WHOLE, SplitCosts
     from vllm_kt_plugin.hybrid.split_path import SplitPath
+    from vllm_kt_plugin.hybrid.timeline import Timeline
 
     runner = build_moe(kt_config(kt_backend="torch", kt_num_gpu_experts="2", kt_gpu_prefill_min_tokens="4"))
     experts = random_experts(E, seed=47)
@@ -624,22 +626,37 @@ def test_split_takes_the_whole_layer_from_its_threshold(vllm_layer_context, fres
     prefill = method.gpu_prefill
     path = SplitPath(method.parts, 4, method.cpu)  # the cost model (no share), on the loaded layer's copy
     path.attach(prefill.host, prefill.staging)
-    path.costs = SplitCosts(1e-4, 1e-5, 1e-6, 1e-6, 1e-8)  # probed in the engine; any here
+    path.costs = SplitCosts(1e-5, 1e-5, 1e-6, 1e-6, 1e-8)  # probed in the engine; here, a copy that splits 16 tokens
     path.plan_min_tokens, path.whole_min_tokens = 8, 32
     layer = runner.routed_experts
     submitted = []
     real_submit = method.cpu.submit
     method.cpu.submit = lambda *a: (submitted.append(a[0].shape[0]), real_submit(*a))[1]  # type: ignore[method-assign]
-    for tokens, whole in ((16, False), (40, True)):
+    timeline = Timeline()
+    timeline.add_layer(0)
+    timeline.enable("test", 1)
+    for tokens, way in ((6, CPU_PATH), (16, SPLIT_PATH), (40, WHOLE)):
+        whole = way == WHOLE
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
         ids, weights = random_routing(tokens, E, K, seed=tokens)
         copied, forwards, wholes = prefill.staging.rows_copied, path.forwards, path.whole_forwards
-        out = path.run(Forward(layer, x, weights, ids, False), NO_MARKS)
+        resident = len(prefill.staging.resident(prefill.host))  # what the split left staged
+        marks = timeline.layer_marks(0, tokens, SPLIT_PATH, x.device)
+        out = path.run(Forward(layer, x, weights, ids, False), marks)
         assert_close(out, reference_moe(x, ids, weights, experts))
-        assert path.whole_forwards == wholes + whole and path.forwards == forwards + (not whole)
-        if whole:  # every CPU expert copied (none was resident) and nothing submitted to the CPU
-            assert prefill.staging.rows_copied - copied == E - 2 and submitted[-1] != tokens
+        assert path.whole_forwards == wholes + whole and path.forwards == forwards + (way == SPLIT_PATH)
+        if whole:  # every CPU expert not resident copied, and nothing submitted to the CPU
+            assert prefill.staging.rows_copied - copied == E - 2 - resident and submitted[-1] != tokens
+        elif way == CPU_PATH:
+            assert prefill.staging.rows_copied == copied and submitted[-1] == tokens
+        else:  # some of the picked CPU experts staged, the rest submitted
+            assert 0 < path.staged_experts < path.picked_experts and submitted[-1] == tokens
     assert submitted[-1] == 16
+    assert [(s["tokens"], s["layers"][0]["path"]) for s in timeline.collect()] == [
+        (6, CPU_PATH),
+        (16, SPLIT_PATH),
+        (40, WHOLE),
+    ]
 
 
 def test_block_fp8_quantization_round_trips() -> None:

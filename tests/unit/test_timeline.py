@@ -18,7 +18,7 @@ def _layer(timeline: Timeline, idx: int, tokens: int, path: str = "split", pause
     marks = timeline.layer_marks(idx, tokens, path, CPU)
     marks.submitted()
     time.sleep(pause_s)
-    marks.planned(3, 5)
+    marks.planned(3, 5, path)
     marks.gpu_done()
     time.sleep(pause_s)
     marks.synced()
@@ -126,3 +126,19 @@ def test_summary_splits_a_step_into_experts_rest_and_copies() -> None:
     assert s["moe_ms"] == 50.0 and s["rest_ms"] == 50.0 and s["gpu_ms"] == 30.0 and s["wait_ms"] == 20.0
     assert s["copy_ms"] == 30.0 and s["copy_busy_ms"] == 20.0  # overlapping copies count once
     assert s["paths"] == {"whole layer": 1, "split": 1} and s["staged_per_layer"] == 90.0
+
+
+def test_the_split_probe_is_read_back_as_its_log_line_gives_it(fresh_process_state) -> None:
+    """What the bench stores beside the timeline (``split_costs``): the process's probe, raw
+    (the staged format's path-choice factor is each layer's), or nothing before one ran."""
+    from vllm_kt_plugin.hybrid.split_cost import SplitCosts
+    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
+    from vllm_kt_tools.bench.timeline import split_costs_in_worker, timeline_record
+
+    assert split_costs_in_worker() is None
+    costs = SplitCosts(86e-6, 18.9e-6, 1.28e-6, 0.0, 0.026e-6, cpu_s_fixed=980e-6, split_over_model=1.9)
+    fresh_process_state.split_probe = ProbedCosts(costs, 4718592)
+    read = split_costs_in_worker()
+    assert read is not None and read["expert_nbytes"] == 4718592 and read["cpu_s_fixed"] == 980e-6
+    assert "split_over_model" not in read
+    assert timeline_record([], read)["split_costs"] == read and "split_costs" not in timeline_record([])

@@ -164,8 +164,9 @@ class StageMarks(Protocol):
 
     def gpu_done(self) -> None: ...
 
-    def planned(self, staged: int, picked: int) -> None:
-        """The path staged ``staged`` of the ``picked`` CPU experts on the GPU (the split)."""
+    def planned(self, staged: int, picked: int, way: str) -> None:
+        """The path staged ``staged`` of the ``picked`` CPU experts on the GPU, the ``way``
+        it ran this forward (the split path's own choice: the CPU path, split, whole layer)."""
 
     def synced(self) -> None: ...
 
@@ -177,7 +178,7 @@ class _NoMarks:
     def gpu_done(self) -> None:
         pass
 
-    def planned(self, staged: int, picked: int) -> None:
+    def planned(self, staged: int, picked: int, way: str) -> None:
         pass
 
     def synced(self) -> None:
@@ -199,9 +200,9 @@ class _AllMarks:
         for m in self.marks:
             m.gpu_done()
 
-    def planned(self, staged: int, picked: int) -> None:
+    def planned(self, staged: int, picked: int, way: str) -> None:
         for m in self.marks:
-            m.planned(staged, picked)
+            m.planned(staged, picked, way)
 
     def synced(self) -> None:
         for m in self.marks:

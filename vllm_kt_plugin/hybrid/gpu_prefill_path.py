@@ -142,7 +142,7 @@ class GPUPrefillPath(ForwardPath):
         index, staged = staging.acquire(host)
         cpu_out = host.apply(staged, x, weights, ids)
         staging.release(index)
-        marks.planned(host.num_experts, host.num_experts)
+        marks.planned(host.num_experts, host.num_experts, GPU_PREFILL_PATH)
         marks.gpu_done()
         # After this layer's work is queued: a written next layer blocks this thread.
         if self._next_host is None:

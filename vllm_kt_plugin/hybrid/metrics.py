@@ -89,7 +89,7 @@ class _DeviceProbe:
     def gpu_done(self) -> None:
         self.clock.after_gpu_experts(self.layer_idx, self.tokens)
 
-    def planned(self, staged: int, picked: int) -> None:
+    def planned(self, staged: int, picked: int, way: str) -> None:
         pass  # the CPU-experts path only: nothing staged
 
     def synced(self) -> None:
@@ -109,7 +109,7 @@ class _HostProbe:
     def gpu_done(self) -> None:
         self.marks.append(time.perf_counter())
 
-    def planned(self, staged: int, picked: int) -> None:
+    def planned(self, staged: int, picked: int, way: str) -> None:
         pass  # the CPU-experts path only: nothing staged
 
     def synced(self) -> None:

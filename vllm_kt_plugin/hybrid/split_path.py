@@ -43,8 +43,9 @@ from vllm.logger import init_logger
 
 from vllm_kt_plugin.hybrid.contracts import Forward, LayerParts, SplitNeighbour, StageMarks
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
-from vllm_kt_plugin.hybrid.metrics import SPLIT_PATH
+from vllm_kt_plugin.hybrid.metrics import CPU_PATH, SPLIT_PATH
 from vllm_kt_plugin.hybrid.split_cost import (
+    WHOLE,
     SplitCosts,
     SplitPlan,
     balanced_count,
@@ -193,7 +194,7 @@ class SplitPath(GPUPrefillPath):
         else:
             staged = sorted(chosen.staged) if chosen is not None else []
             picked = chosen.picked if chosen is not None else 0
-        marks.planned(len(staged), picked)
+        marks.planned(len(staged), picked, WHOLE if whole else SPLIT_PATH if staged else CPU_PATH)
         # With deferral (KT_MAX_DEFERRED_EXPERTS_PER_TOKEN) the previous layer's deferred
         # experts are added by this layer's sync: the CPU backend runs even with nothing left.
         on_cpu = (not whole and (chosen is None or chosen.picked > len(staged))) or self.defers

@@ -108,8 +108,8 @@ class _LayerMarks:
     def gpu_done(self) -> None:
         self.record.gpu_done = self.step.clock.mark()
 
-    def planned(self, staged: int, picked: int) -> None:
-        self.record.staged, self.record.picked = staged, picked
+    def planned(self, staged: int, picked: int, way: str) -> None:
+        self.record.staged, self.record.picked, self.record.path = staged, picked, way
 
     def synced(self) -> None:
         self.record.synced = self.step.clock.mark()

@@ -118,7 +118,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
     ttft_s = statistics.median(prefill(f"one {prefill_len} alone, seed {s}", 1, prefill_len, s) for s in TTFT_SEEDS)
     prefill(f"one {long_len} warm-up", 1, long_len, 5)
     long_s = prefill(f"one {long_len}", 1, long_len, 6)
-    steps = timeline.collect()
+    steps, split_costs = timeline.collect(), timeline.split_costs()
     sizes = model_sizes(json.loads((Path(spec.model) / "config.json").read_text()))
     routed = routing.engine_routing(llm, sizes.num_experts, sizes.top_k, since=routed_at_start)
     stop_engine(llm)
@@ -134,7 +134,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "tokens_bs1": tokens_bs1[0],
         "sampling": {"temperature": spec.temperature, "engine_seed": 0},
         "routing": routed,
-        **({"timeline": timeline_record(steps)} if steps else {}),
+        **({"timeline": timeline_record(steps, split_costs)} if steps else {}),
     }
 
 

@@ -165,7 +165,7 @@ def server_engine_run(
                 if timeline is not None:
                     steps = timeline.collect()
                     if steps:
-                        result["timeline"] = timeline_record(steps)
+                        result["timeline"] = timeline_record(steps, timeline.split_costs())
             if routed:
                 result["routing"] = routing.counted_routing(routing.server_counts(server.base_url), *routed, since)
             if load is not None:

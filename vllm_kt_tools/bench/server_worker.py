@@ -5,7 +5,8 @@
 builds the model, and that is when the routing recorder must attach to the MoE routers: so
 importing this module installs it. ``/collective_rpc`` takes only a method's name (and
 string arguments), so the extension gives the worker one method per thing the bench reads
-there: the recorder's sums, and kt-hybrid's per-forward timeline (``bench/timeline.py``)."""
+there: the recorder's sums, and kt-hybrid's per-forward timeline and split probe
+(``bench/timeline.py``)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,6 @@ class BenchWorkerExtension:
 
     def kt_bench_timeline_collect(self) -> list[dict[str, Any]]:
         return timeline.collect_in_worker(self)
+
+    def kt_bench_split_costs(self) -> dict[str, Any] | None:
+        return timeline.split_costs_in_worker(self)

@@ -11,6 +11,7 @@ a ``vllm serve`` it started. Only kt-hybrid runs have one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 # same size); a workload with smaller prompts (the tests' tiny models) records from its own.
 MIN_TOKENS = 256
 ENABLE_RPC, COLLECT_RPC = "kt_bench_timeline_enable", "kt_bench_timeline_collect"
+SPLIT_COSTS_RPC = "kt_bench_split_costs"
 
 
 def enable_in_worker(worker: Any = None, label: str = "", min_tokens: int | str = MIN_TOKENS) -> None:
@@ -37,6 +39,20 @@ def collect_in_worker(worker: Any = None) -> list[dict[str, Any]]:
     return timeline.collect()
 
 
+def split_costs_in_worker(worker: Any = None) -> dict[str, Any] | None:
+    """The split's start-up probe (``hybrid.split_probe``) in the worker, as its log line gives
+    it (seconds; the probed layer's expert bytes): what replays the timeline's split forwards
+    against the cost model. None where no forward took the split."""
+    from vllm_kt_plugin.hybrid.process_state import process_state
+
+    probe = process_state().split_probe
+    if probe is None:
+        return None
+    costs = dataclasses.asdict(probe.costs)
+    del costs["split_over_model"]  # a layer's, by its staged format (split_cost.SPLIT_OVER_MODEL)
+    return {"expert_nbytes": probe.expert_nbytes, **costs}
+
+
 class EngineTimeline:
     """The timeline of an engine the bench built (``vllm.LLM``)."""
 
@@ -48,6 +64,9 @@ class EngineTimeline:
 
     def collect(self) -> list[dict[str, Any]]:
         return list(self.llm.collective_rpc(collect_in_worker)[0])
+
+    def split_costs(self) -> dict[str, Any] | None:
+        return self.llm.collective_rpc(split_costs_in_worker)[0]
 
 
 class ServerTimeline:
@@ -71,6 +90,9 @@ class ServerTimeline:
     def collect(self) -> list[dict[str, Any]]:
         return list(self._rpc(COLLECT_RPC))
 
+    def split_costs(self) -> dict[str, Any] | None:
+        return self._rpc(SPLIT_COSTS_RPC)
+
 
 class NoTimeline:
     """Runs without kt-hybrid: nothing to record."""
@@ -80,6 +102,9 @@ class NoTimeline:
 
     def collect(self) -> list[dict[str, Any]]:
         return []
+
+    def split_costs(self) -> dict[str, Any] | None:
+        return None
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -125,9 +150,10 @@ def summarize(step: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def timeline_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON's ``timeline``: the steps as recorded, and their summaries."""
-    return {"min_tokens": MIN_TOKENS, "steps": steps, "summary": [summarize(step) for step in steps]}
+def timeline_record(steps: list[dict[str, Any]], split_costs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON's ``timeline``: the steps as recorded, their summaries, and the split's probe."""
+    record = {"min_tokens": MIN_TOKENS, "steps": steps, "summary": [summarize(step) for step in steps]}
+    return record if split_costs is None else {**record, "split_costs": split_costs}
 
 
 def describe(summary: dict[str, Any]) -> str:
