@@ -50,6 +50,9 @@ class SplitCosts:
     # Layers without a host copy (kt-kernel's BF16 and FP8 write their experts out): the
     # write runs on kt-kernel's threads, so it delays both the copy and the CPU's own work.
     write_s_per_expert: float = 0.0
+    # The split's measured time over this model's, for the staged format (SPLIT_OVER_MODEL):
+    # ``forward_path`` scales the split's prediction by it. Not probed: see SPLIT_OVER_MODEL.
+    split_over_model: float = 1.0
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in vars(self).items() if not v >= 0}  # also refuses NaN
@@ -200,15 +203,26 @@ def balanced_count(costs: SplitCosts, counts: Sequence[int]) -> int:
     return len(plan(costs, counts).staged)
 
 
-# The split's measured layer time over the model's prediction for its own plan is up to this
-# (H100 curve of 2026-12-06, benchmarks/results/h100_split_curve_qwen3_30b_a3b.json: 1.02-1.22
-# with the BF16 copy, 0.94-1.49 with the FP8 one, for the staged counts that ran; docs/split.md
-# says what the model leaves out). A forward's path is chosen with the split's prediction
-# scaled by it: the pure paths' predictions held better (on that curve, from the probed
-# constants: the CPU path 0.94-1.20x the measured time, the whole-layer stream 1.04-1.09x
-# from 512 tokens on). Replayed on that curve, the choice is then the measured fastest path,
-# or within 5 % of it, at every size from 1,024 tokens (tests/unit/test_split_cost.py).
-SPLIT_OVER_MODEL = 1.49
+# The split's measured layer time over the model's prediction for its own plan, by the staged
+# format (``SplitCosts.split_over_model``; docs/split.md says what the model leaves out).
+# Measured for the staged counts that ran, with the probed constants:
+# - BF16 (the other formats take its figure, unmeasured): 1.02-1.22 on the H100 curve of
+#   2026-12-06 (benchmarks/results/h100_split_curve_qwen3_30b_a3b.json), where the whole
+#   layer's model also ran 1.04-1.09 over; the choice replays within 5 % of the fastest
+#   path for factors 1.40-1.60 (1.22: 1.057x at 4,096 tokens), so it keeps the 1.49 it had;
+# - block FP8: the largest measured, 0.94-1.49 on that curve and 1.62-1.90 in the
+#   1,024-token forwards of the
+#   head-to-head sitting behind vllm serve (h100_h2h_server_qwen3_30b_a3b.json's timeline, the
+#   probe's constants in h100_h2h_probe.log). There the CPU's part took 8.4 ms a layer (36
+#   experts, 64 tokens each) where the probe's constants give 4.6. A candidate cause, not yet
+#   measured: the probe times the CPU with the copy stream idle, and the split runs it while
+#   the copy stream reads host memory.
+# A forward's path is chosen with the split's prediction scaled by it: the pure paths'
+# predictions held better (on the curve, from the probed constants: the CPU path 0.94-1.20x
+# the measured time, the whole-layer stream 1.04-1.09x from 512 tokens on). Replayed on the
+# curve and on the sitting's timeline, the choice is then the measured fastest path, or
+# within 5 % of it, at every size from 1,024 tokens (tests/unit/test_split_cost.py).
+SPLIT_OVER_MODEL = {"bf16": 1.49, "block-fp8": 1.90}
 CPU, SPLIT, WHOLE = "CPU path", "split", "whole layer"  # a forward's path, by the choice below
 
 
@@ -230,7 +244,7 @@ def whole_layer_time(costs: SplitCosts, counts: Sequence[float]) -> float:
 
 def forward_path(costs: SplitCosts, counts: Sequence[float]) -> str:
     """CPU, SPLIT or WHOLE for a forward with these counts: the least predicted layer time,
-    the split's scaled by SPLIT_OVER_MODEL; the split as it runs layer after layer, with the
+    the split's scaled by ``costs.split_over_model``; the split as it runs layer after layer, with the
     balanced part prefetched (ties: the CPU path, then the whole layer)."""
     balanced = balanced_count(costs, counts)
     split = plan(costs, counts, set(range(balanced)), balanced)
@@ -239,7 +253,7 @@ def forward_path(costs: SplitCosts, counts: Sequence[float]) -> str:
         WHOLE: whole_layer_time(costs, counts),
     }
     if split.staged:
-        options[SPLIT] = split.predicted_s * SPLIT_OVER_MODEL
+        options[SPLIT] = split.predicted_s * costs.split_over_model
     return min(options, key=lambda path: options[path])
 
 

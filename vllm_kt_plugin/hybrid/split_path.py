@@ -264,11 +264,12 @@ class SplitPath(GPUPrefillPath):
             return
         logger.info(
             "kt-hybrid: by the probed costs, forwards of %s take the CPU path, %s the split, %s the whole-layer "
-            "stream (%s)",
+            "stream (%s; the split's predicted time x%.2f, its measured excess for this staged format)",
             f"< {self.plan_min_tokens} tokens",
             _span(self.plan_min_tokens, self.whole_min_tokens, spec.chunked_prefill_size),
             _span(self.whole_min_tokens, NEVER, spec.chunked_prefill_size),
             self.layer_name,
+            self.costs.split_over_model,
         )
 
     def _costs(self) -> SplitCosts:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.split_cost import SplitCosts, fit_costs
+from vllm_kt_plugin.hybrid.split_cost import SPLIT_OVER_MODEL, SplitCosts, fit_costs
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class ProbedCosts:
             gpu_s_fixed=c.gpu_s_fixed,
             overhead_s=c.overhead_s,
             write_s_per_expert=c.write_s_per_expert * scale if not host.copies else 0.0,
+            split_over_model=SPLIT_OVER_MODEL["block-fp8" if host.binds_scales else "bf16"],
         )
 
 
