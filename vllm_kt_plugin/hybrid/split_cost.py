@@ -210,10 +210,9 @@ def balanced_count(costs: SplitCosts, counts: Sequence[int]) -> int:
 #   2026-12-06 (benchmarks/results/h100_split_curve_qwen3_30b_a3b.json), where the whole
 #   layer's model also ran 1.04-1.09 over; the choice replays within 5 % of the fastest
 #   path for factors 1.40-1.60 (1.22: 1.057x at 4,096 tokens), so it keeps the 1.49 it had;
-# - block FP8: the largest measured, 0.94-1.49 on that curve and 1.62-1.90 in the
-#   1,024-token forwards of the
-#   head-to-head sitting behind vllm serve (h100_h2h_server_qwen3_30b_a3b.json's timeline, the
-#   probe's constants in h100_h2h_probe.log). There the CPU's part took 8.4 ms a layer (36
+# - block FP8: the largest measured, 0.94-1.49 on that curve and 1.62-1.90 in the 1,024-token
+#   forwards of the head-to-head sitting behind vllm serve (h100_h2h_server_qwen3_30b_a3b.json's
+#   timeline, the probe's constants in h100_h2h_probe.log). There the CPU's part took 8.4 ms a layer (36
 #   experts, 64 tokens each) where the probe's constants give 4.6. A candidate cause, not yet
 #   measured: the probe times the CPU with the copy stream idle, and the split runs it while
 #   the copy stream reads host memory.
