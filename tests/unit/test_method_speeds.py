@@ -60,6 +60,10 @@ def test_auto_picks_the_fastest_method_the_checkpoint_allows(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kt_backend, "ranking", fake_ranking({"LLAMAFILE Q4_K": 1.0, "AMXINT8": 2.0, "BF16": 3.0}))
+    # a build without the AMXINT8 kernel (AVX2 only) skips it for the next the weights allow
+    monkeypatch.setattr(kt_backend, "kernel_available", lambda method: method != "AMXINT8")
+    assert KTKernelExperts.resolve_method(settings(), CheckpointFormat()).method == "BF16"
+    monkeypatch.setattr(kt_backend, "kernel_available", lambda method: True)
     with caplog.at_level(logging.INFO, logger="vllm.kt_hybrid"):
         picked = KTKernelExperts.resolve_method(settings(), CheckpointFormat())
     assert picked.method == "AMXINT8" and picked.auto_method

@@ -281,7 +281,7 @@ def test_gpu_prefill_is_auto_unless_set() -> None:
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64
 
 
-def test_dynamic_gpu_experts_are_validated() -> None:
+def test_dynamic_gpu_experts_are_validated(with_amx: None) -> None:
     """KT_DYNAMIC_GPU_EXPERTS: an integer >= 0; it needs CPU experts that can be written
     back to the GPU (BF16 on kt-kernel) and leaves no room for an explicit GPU prefill."""
     assert build({"KT_DYNAMIC_GPU_EXPERTS": "4", "KT_METHOD": "BF16"})[0].dynamic_gpu_experts == 4
