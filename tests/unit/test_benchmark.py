@@ -132,10 +132,10 @@ def test_prefill_off_check_and_kt_env() -> None:
     own name; --kt-env reaches every kt-hybrid run and is recorded in its env."""
     sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
     argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4", "--prefill-off-check"]
-    runs = plan_runs(args(*argv, "--kt-env", "KT_GPU_PREFILL_MIN_TOKENS=4096"), "/m", "dummy", sizes)
+    runs = plan_runs(args(*argv, "--kt-env", "KT_STAGING_MIN_TOKENS=4096"), "/m", "dummy", sizes)
     assert [r.name for r in runs] == ["kt-hybrid-amxint4", "kt-hybrid-amxint4-prefill-off"]
-    assert runs[0].env["KT_GPU_PREFILL_MIN_TOKENS"] == "4096"
-    assert runs[1].env["KT_GPU_PREFILL_MIN_TOKENS"] == "0"
+    assert runs[0].env["KT_STAGING_MIN_TOKENS"] == "4096"
+    assert runs[1].env["KT_STAGING_MIN_TOKENS"] == "0"
     assert runs[0].max_model_len > 16384  # room for the 16,384-token prompt of prefill_long_tok_s
 
 

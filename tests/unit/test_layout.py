@@ -128,9 +128,27 @@ HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "
 def test_hybrid_paths_and_observers_import_nothing_above_them() -> None:
     graph = package_imports()
     below = sorted(m for m in graph if m.startswith(f"{HYBRID}.") and m not in HYBRID_TOP)
-    assert {f"{HYBRID}.{m}" for m in ("contracts", "paths", "cpu_path", "split_path", "observers")} <= set(below)
+    assert {f"{HYBRID}.{m}" for m in ("contracts", "paths", "cpu_path", "staging.split", "observers")} <= set(below)
     upward = {m: sorted(_reachable(graph, m) & HYBRID_TOP) for m in below}
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
+
+
+STAGING_PLAN = f"{HYBRID}.staging.plan"
+
+
+def test_the_staging_plan_is_pure_and_below_planning() -> None:
+    """The one staging decision (``hybrid/staging/plan.py``) imports no torch, no vLLM and
+    nothing of the package above the settings, so planning, serve's checks and doctor ask it
+    as each layer does; planning reads nothing else of ``hybrid/``."""
+    graph = package_imports()
+    assert graph[STAGING_PLAN] and all(m.startswith(f"{RUNTIME}.settings") for m in graph[STAGING_PLAN])
+    tree = ast.parse((ROOT / RUNTIME / "hybrid" / "staging" / "plan.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"torch", "vllm", "kt_kernel"}, imported
+    planning = {m: graph[m] for m in graph if m.startswith(f"{RUNTIME}.planning")}
+    reaches = {n for deps in planning.values() for n in deps if n.startswith(HYBRID)}
+    assert reaches == {STAGING_PLAN}, reaches
 
 
 def test_the_process_state_keeps_its_contract() -> None:

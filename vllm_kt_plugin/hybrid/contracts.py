@@ -4,7 +4,7 @@ A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs t
 that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
 computes the whole routed-experts output of the layer (the GPU experts through
 ``GPUExperts``, the CPU experts its own way) and has a say in the layer's weight lifecycle
-where it keeps weights of its own (GPU prefill's host copy).
+where it keeps weights of its own (staging's host copy).
 
 ``ForwardObserver``s watch without changing results: they hear that a forward was routed
 (before any of its work is queued) and which path it takes, and may hand the path
@@ -34,11 +34,11 @@ if TYPE_CHECKING:
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
-    from vllm_kt_plugin.hybrid.host_experts import HostExperts
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
     from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
-    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
-    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging.probe import ProbedCosts
     from vllm_kt_plugin.hybrid.swap_log import SwapLog
     from vllm_kt_plugin.hybrid.timeline import Timeline
     from vllm_kt_plugin.planning.layer_plan import LayerPlan
@@ -62,10 +62,11 @@ class Forward:
 
 
 class SplitNeighbour(Protocol):
-    """What a split path reads of the next layer's (``split_path.SplitPath``) to prefetch
+    """What a split path reads of the next layer's (``staging.split.SplitPath``) to prefetch
     that layer's predicted part into the other staging buffer."""
 
-    host: HostExperts | None
+    @property
+    def host(self) -> HostExperts | None: ...
 
     @property
     def by_expert(self) -> bool: ...
@@ -85,18 +86,18 @@ class ProcessState(Protocol):
     """What the kt-hybrid layers of one process share, as a layer reaches it (its context's
     ``process``; ``process_state.HybridProcessState``, one per process, implements it)."""
 
-    # GPU prefill: the host copies in decoder order and the staging buffers they share
+    # staging: the host copies in decoder order and the buffers they share
     host_experts: list[tuple[int, HostExperts]]
 
     def add_host_experts(self, layer_idx: int, host: HostExperts) -> None: ...
 
     def host_experts_after(self, layer_idx: int) -> HostExperts:
-        """The host copy of the next layer that has one (wrapping to the first): GPU
-        prefill prefetches it while ``layer_idx`` computes."""
+        """The host copy of the next layer that has one (wrapping to the first): the
+        whole-layer path prefetches it while ``layer_idx`` computes."""
         ...
 
     def staging(self, device: torch.device) -> StagingBuffers:
-        """The two GPU-prefill buffers of ``device``, shared by its layers."""
+        """The two staging buffers of ``device``, shared by its layers."""
         ...
 
     # the split: its paths in decoder order and the costs probed once per process
@@ -133,7 +134,7 @@ class LayerContext:
     """What one kt-hybrid MoE layer is given by the quantization config."""
 
     settings: KTSettings  # this process's (threads and NUMA nodes of its host share)
-    plan: LayerPlan  # placements, and why GPU prefill's auto stays off
+    plan: LayerPlan  # placements, and the model's staging plan
     backend: type[CPUExperts]
     make_native: Callable[[RoutedExperts, str], FusedMoEMethodBase]  # the checkpoint's method for a layer
     process: ProcessState

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.hybrid.staging.plan import SPLIT_PATH, WHOLE_LAYER_PATH
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -45,14 +46,11 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever the interval
-# Prefill-sized forwards (and every GPU-prefill forward) are logged one by one, with their path
-# (CPU experts or GPU prefill) and when they were queued: how vLLM split a batch of prompts into
-# steps decides which path each step takes, and no per-layer average shows it. Never inside
-# graph replays (decode).
+# Prefill-sized forwards (and every forward that takes a staging path) are logged one by one,
+# with their path and when they were queued: how vLLM split a batch of prompts into steps
+# decides which path each step takes, and no per-layer average shows it. Never inside graph
+# replays (decode).
 LARGE_FORWARD_TOKENS = 256
-CPU_PATH, GPU_PREFILL_PATH = "CPU-experts", "GPU-prefill"
-# The split's forwards (hybrid/split_path.py): which of them staged anything, its counters say.
-SPLIT_PATH = "split"
 
 
 @dataclass
@@ -159,7 +157,7 @@ class HybridMetrics:
     def large_forward(self, layer_idx: int, tokens: int, path: str) -> None:
         """Log a prefill-sized forward once, at the first hybrid layer, with the time its
         Python ran: when the step was queued, which may be well before it runs."""
-        large = tokens >= LARGE_FORWARD_TOKENS or path in (GPU_PREFILL_PATH, SPLIT_PATH)
+        large = tokens >= LARGE_FORWARD_TOKENS or path in (WHOLE_LAYER_PATH, SPLIT_PATH)
         if large and layer_idx == self.first_layer:
             logger.info(
                 "kt-hybrid: a forward of %d tokens takes the %s path (queued at %.3f s, monotonic clock)",

@@ -48,7 +48,7 @@ class RunSpec:
         return f"{self.system}-{self.method}{eager}{variant}".lower()
 
 
-PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-off-check
+PREFILL_OFF = ("prefill-off", {"KT_STAGING_MIN_TOKENS": "0"})  # --prefill-off-check
 
 
 def system_order(args: argparse.Namespace) -> list[str]:
