@@ -1,22 +1,11 @@
 """The contracts of one hybrid forward: route -> pick a path -> run it, with observers told.
 
-A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs the first
-that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
-computes the whole routed-experts output of the layer (the GPU experts through
-``GPUExperts``, the CPU experts its own way) and has a say in the layer's weight lifecycle
-where it keeps weights of its own (staging's host copy).
-
-``ForwardObserver``s watch without changing results: they hear that a forward was routed
-(before any of its work is queued) and which path it takes, and may hand the path
-``StageMarks`` to time its stages (submit, GPU experts, sync). Like the stages of vLLM's
-modular kernel (prepare / experts / finalize), the points are fixed; what happens at them
-is each observer's business.
-
-A layer is given a ``LayerContext`` by the quantization config; through it, it reaches what
-the layers of its process share as a ``ProcessState`` (the staging buffers, the next layer's
-host copy or split path, the probed costs, the recorders): a Protocol of the calls made,
-which ``process_state.HybridProcessState`` implements. So this module, the paths and the
-observers import nothing above them: no module of ``hybrid/`` that builds or holds layers.
+A layer runs the first of its ``ForwardPath``s (``paths``) whose ``takes`` accepts the
+forward; a path computes the layer's whole routed output and may take part in the weight
+lifecycle. ``ForwardObserver``s watch without changing results, and may hand the path
+``StageMarks`` to time its stages. A layer reaches what its process shares through
+``LayerContext.process``, the Protocol ``ProcessState``, so nothing here or in the paths and
+observers imports the modules that build or hold layers.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """How many experts per MoE layer fit on the GPU: ``KT_NUM_GPU_EXPERTS=auto`` and
-``KT_GPU_EXPERTS_RATIO``.
+``KT_GPU_EXPERTS_RATIO``. vLLM grants itself ``total x gpu_memory_utilization``; the budget
+takes the non-expert weights and the KV-cache reserve (``KT_KV_CACHE_RESERVE_GB``) from it,
+and the staging buffers where the staging plan stages; the rest holds ``n`` experts in each
+MoE layer (per GPU: each weight's 1/tp with tensor parallelism):
 
-vLLM grants itself ``total × gpu_memory_utilization`` of the device. From that the budget
-takes the non-expert weights and a reserve for the KV cache, activations and CUDA graphs
-(``KT_KV_CACHE_RESERVE_GB``); what is left holds ``n`` experts in each of the MoE layers:
-
-    n = floor((total × utilization − reserve − non_expert × 1/tp) / (moe_layers × expert × 1/tp))
-
-clamped to [0, experts per layer], less room for the staging buffers where the staging
-plan (``hybrid.staging.plan``) stages. With tensor parallelism every GPU holds 1/tp of
-each weight, so the per-GPU sizes divide by tp.
+    n = floor((total x utilization - reserve - non_expert / tp) / (moe_layers x expert / tp))
 """
 
 from __future__ import annotations

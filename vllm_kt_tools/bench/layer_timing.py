@@ -30,22 +30,22 @@ def layer_benchmark(
     # neither torch nor vLLM; only the child process runs this function.
     import torch
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.v1.worker.workspace import init_workspace_manager
 
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.hybrid.staging.build import staging_path
     from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.support.vllm_internals import forward_context, init_workspace, routed_experts
 
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
     vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True))
     vllm_config.load_config.load_format = "dummy"
     results: dict[str, Any] = {"tokens": {}}
     with vllm_world(vllm_config, backend="nccl"):
-        init_workspace_manager(torch.device("cuda"))  # the modular MoE kernels' scratch buffers
+        init_workspace(torch.device("cuda"))  # the modular MoE kernels' scratch buffers
         quant = KTHybridConfig(settings=load_settings({**os.environ, **env}))
         with torch.device("cuda"):
             runner = build_moe(quant, sizes.num_experts, sizes.top_k, sizes.hidden, sizes.expert_inter, layer_idx=0)
-        layer = runner.routed_experts
+        layer = routed_experts(runner)
         method = layer.quant_method
         for param in layer.parameters():
             param.data.uniform_(-1e-3, 1e-3)
@@ -66,13 +66,11 @@ def layer_benchmark(
             return start.elapsed_time(end) / repeats
 
         gen = torch.Generator(device="cuda").manual_seed(0)
-        from vllm.forward_context import set_forward_context
-
         whole = staging_path(method.paths)  # the whole-layer path, None where staging is off
         prefill_from = whole.min_tokens if whole is not None else 0
         if whole is not None:
             whole.min_tokens = 2**31  # the decode timings take the CPU path
-        with set_forward_context(None, vllm_config):
+        with forward_context(vllm_config):
             results["tokens"] = {str(n): _time_layer(method, layer, cpu, n, sizes, gen, time_ms) for n in tokens}
             if whole is not None:
                 whole.min_tokens = prefill_from

@@ -40,14 +40,13 @@ def split_curve_benchmark(
 
     import torch
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.worker.workspace import init_workspace_manager
 
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.hybrid.staging.build import staging_path
     from vllm_kt_plugin.hybrid.staging.costs import path_thresholds
     from vllm_kt_plugin.hybrid.staging.split import NEVER, SplitPath
     from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.support.vllm_internals import forward_context, init_workspace, routed_experts
 
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
     vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True))
@@ -57,13 +56,13 @@ def split_curve_benchmark(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     with vllm_world(vllm_config, backend="nccl" if cuda else "gloo"):
-        init_workspace_manager(device)
+        init_workspace(device)
         quant = KTHybridConfig(settings=load_settings({**os.environ, **env}))
         stack = []
         for i in range(layers):
             with device:
                 runner = build_moe(quant, sizes.num_experts, sizes.top_k, sizes.hidden, sizes.expert_inter, layer_idx=i)
-            layer = runner.routed_experts
+            layer = routed_experts(runner)
             for param in layer.parameters():
                 param.data.uniform_(-1e-3, 1e-3)
             layer.quant_method.process_weights_after_loading(layer)
@@ -114,7 +113,7 @@ def split_curve_benchmark(
             end.synchronize()
             return start.elapsed_time(end) / (repeats * layers)
 
-        with set_forward_context(None, vllm_config):
+        with forward_context(vllm_config):
             for n in tokens:
                 before = [(s.forwards, s.staged_experts, s.picked_experts) for s in splits]
                 row = {f"{p}_ms": round(per_layer_ms(p, n), 3) for p in ("cpu", "whole_layer", "split")}

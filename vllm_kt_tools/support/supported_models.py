@@ -110,21 +110,21 @@ def _source(module: str) -> str:
 def moe_architectures() -> dict[str, str]:
     """Architecture -> its module, for every registry entry whose module builds fused-MoE
     layers or reuses those of a module that does."""
-    from vllm.model_executor.models.registry import _VLLM_MODELS  # the registry's own table
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
     return {
         arch: module
-        for arch, (module, cls) in sorted(_VLLM_MODELS.items())
+        for arch, (module, cls) in sorted(registry_models().items())
         if _is_moe(module, cls) or reused_moe_modules(module)
     }
 
 
 @cache
 def _builds_moe() -> frozenset[str]:
-    from vllm.model_executor.models.registry import _VLLM_MODELS
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
     return frozenset(
-        module for module, cls in _VLLM_MODELS.values() if module != "transformers" and _is_moe(module, cls)
+        module for module, cls in registry_models().values() if module != "transformers" and _is_moe(module, cls)
     )
 
 
