@@ -47,7 +47,7 @@ def test_torch_backend_matches_dense_reference(vllm_layer_context, num_gpu: int)
     assert_close(out, reference_moe(x, ids, weights, experts))
 
 
-def test_whole_layer_matches_plain_vllm(vllm_layer_context) -> None:
+def test_the_hybrid_layer_matches_plain_vllm(vllm_layer_context) -> None:
     """Router, scaling and the combine stay vLLM's: same layer output as without kt-hybrid."""
     experts = random_experts(E, seed=7)
     plain = build_moe(None)
