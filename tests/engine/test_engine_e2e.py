@@ -31,7 +31,7 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 24
 NUM_EXPERTS = 8  # per layer in the tiny models
 PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
-# GPU prefill forced low on the CPU build, in the "half on CPU" runs: the first forward
+# Staging (the whole layer) forced low on the CPU build, in the "half on CPU" runs: the first forward
 # (the five short prompts, 30 tokens, and the long prompt's first chunk) takes it; decode
 # steps (6 tokens) do not; the 180-token prompt arrives in chunks of the 64-token budget.
 GPU_PREFILL = {"KT_STAGING_MIN_TOKENS": "16"}
@@ -88,7 +88,7 @@ def token_ids(results: list) -> list[list[int]]:
 # Which placements each architecture runs with. What differs between architectures is vLLM's
 # side (router, shared experts, weight names), which one placement exercises; what differs
 # between placements is the path a forward takes. So every architecture runs half on the
-# CPU (the most paths: GPU experts, CPU experts, GPU prefill), Qwen3-MoE every placement,
+# CPU (the most paths: GPU experts, CPU experts, staging), Qwen3-MoE every placement,
 # DeepSeek-V3 also with all on the CPU (its shared expert beside no GPU experts at all).
 # The split (one GPU expert) also runs on Mixtral (softmax routing, no shared expert) and
 # DeepSeek-V3 (grouped sigmoid routing with a correction bias, a shared expert added
@@ -111,7 +111,7 @@ _bf16_cache: dict[tuple[str, str], list] = {}
 
 
 def kt_kernel_bf16(model: Path, placement: str) -> tuple[list, str]:
-    """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU, the
+    """kt-kernel BF16 CPU experts at ``placement`` (staging forced on half on CPU, the
     split with one GPU expert); kept for the deferral test, which compares with the
     all-on-CPU run."""
     key = (str(model), placement)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.engine
 TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "max_num_batched_tokens": 64}
 # vLLM's CPU workers each bind their OpenMP threads; on a 2-core machine one core each.
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-# GPU prefill forced low so that the TP-sliced host copies run too (each rank computes
+# Staging forced low so that the TP-sliced host copies run too (each rank computes
 # its slice of every CPU expert there; the all-reduce adds them), and a metrics line
 # after every CPU-expert forward, to see which rank computed it.
 KT = {

@@ -128,7 +128,7 @@ def test_decode_summary_without_a_valid_pair() -> None:
 
 
 def test_prefill_off_check_and_kt_env() -> None:
-    """--prefill-off-check repeats the first method with GPU prefill off, as a run of its
+    """--prefill-off-check repeats the first method with staging off, as a run of its
     own name; --kt-env reaches every kt-hybrid run and is recorded in its env."""
     sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
     argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4", "--prefill-off-check"]

@@ -132,7 +132,7 @@ def test_amx_sizes_kt_kernel_cannot_tile_are_refused(
 
 
 def test_kt_kernel_writes_bf16_experts_in_the_gpu_layout(vllm_layer_context, tmp_path: Path) -> None:
-    """kt-kernel's BF16 experts written back (GPU prefill without a host copy) are the
+    """kt-kernel's BF16 experts written back (staging without a host copy) are the
     checkpoint's: w13 = gate then up, w2 = down, in the order asked."""
     skip_without_kernel("BF16")
     idx = fresh_layer_index()
