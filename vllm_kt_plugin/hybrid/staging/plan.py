@@ -129,6 +129,7 @@ def plan_staging(facts: StagingFacts) -> StagingPlan:
         backend_writes=facts.backend_writes,
         backend=s.backend,
     )
+    # the copy's format first: auto's RAM room depends on it
     fp8_copy, fp8_note, fp8_refused = _fp8_copy(facts, refusal)
     if fp8_refused is not None:
         return _fp8_copy_refused(fp8_refused)
@@ -140,6 +141,7 @@ def plan_staging(facts: StagingFacts) -> StagingPlan:
             f"the split stages whole experts: one tensor-parallel rank, not {tp}",
             "auto with --tensor-parallel-size > 1",
         )
+    # the split stages whole experts (one rank's) and leaves the rest to this rank's CPU backend
     splits = tp == 1 and facts.computes_cpu_experts and (auto or s.staging_split is not AUTO)
     if not auto:
         if refusal is not None:  # refused where there are CPU experts to stage (known)
