@@ -302,6 +302,19 @@ def test_every_auto_is_one_value_parsed_by_the_catalogue() -> None:
     ]
 
 
+def test_auto_survives_the_trip_to_vllms_workers() -> None:
+    """vLLM pickles the quant config, settings included, into each worker process: AUTO comes
+    back as the catalogue's own AUTO (a copy of it would read as a set value there)."""
+    import copy
+    import pickle
+
+    parsed = KTSettings.from_env({"KT_NUM_GPU_EXPERTS": "auto", "KT_STAGING_MIN_TOKENS": "16"}, cores=4, numa_nodes=1)
+    there = pickle.loads(pickle.dumps(parsed))
+    assert there == parsed and there.num_gpu_experts is AUTO and there.staging_split is AUTO
+    assert there.staging_fp8_copy is AUTO and there.gpu_experts_auto
+    assert copy.deepcopy(AUTO) is AUTO and copy.copy(AUTO) is AUTO
+
+
 def test_a_former_name_still_works_and_names_the_new_one(warnings_seen: pytest.LogCaptureFixture) -> None:
     """KT_GPU_PREFILL_* became KT_STAGING_*: the old names are read (one notice each, naming
     the new name), not warned about as unknown; both set to different values is refused."""

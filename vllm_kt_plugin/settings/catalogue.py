@@ -102,7 +102,13 @@ def default_cache_dir() -> Path:
 
 
 class Auto:
+    """The one ``auto`` value (compare with ``is``)."""
+
     def __repr__(self) -> str:
+        return "AUTO"
+
+    def __reduce__(self) -> str:
+        # vLLM pickles the settings into its workers: unpickled, AUTO is still this module's AUTO
         return "AUTO"
 
 
