@@ -508,6 +508,7 @@ def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert flags == {
         "--attention-backend": "fa3",
         "--sampling-backend": "pytorch",
+        "--grammar-backend": "none",
         "--kt-weight-path": str(folder),
         "--kt-method": "AMXINT4",
         "--kt-cpuinfer": "14",

@@ -25,3 +25,12 @@ def test_table_rows_say_what_was_not_measured() -> None:
     run = {"system": "sglang-kt", "method": "AMXINT4", "via": "server", "decode_bs1_tok_s": 12.34, "error": "x"}
     [row] = markdown_table({"runs": [run]}).splitlines()[2:]
     assert row.startswith("| sglang-kt AMXINT4, through its server (failed: see the JSON) | n/a | 12.3 tok/s | n/a")
+
+
+def test_a_failed_run_that_a_retry_measured_is_left_out() -> None:
+    failed = {"system": "sglang-kt", "method": "AMXINT4", "variant": "documented", "error": "x"}
+    other = {**failed, "variant": "mirror"}
+    retry = {"system": "sglang-kt", "method": "AMXINT4", "variant": "documented", "decode_bs1_tok_s": 30.0}
+    rows = markdown_table({"runs": [failed, other, retry]}).splitlines()[2:]
+    assert len(rows) == 2
+    assert "(mirror) (failed" in rows[0] and "(documented)" in rows[1] and "30.0 tok/s" in rows[1]
