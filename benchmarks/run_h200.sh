@@ -64,6 +64,9 @@ set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}
 mkdir -p "$BENCH_OUT"
+# Everything this sitting starts inherits its tag: benchmarks/sittings/stop.sh stops it all by the tag
+export VLLM_KT_SITTING=${VLLM_KT_SITTING:-sitting-$(date +%s)-$$}
+echo "$VLLM_KT_SITTING" > "$BENCH_OUT/sitting.tag"
 [ -f /root/gpusite/env.sh ] && source /root/gpusite/env.sh
 # Ray, for the several-hosts test, installed apart (see benchmarks/ray-bundle.sh)
 [ -d /root/raysite ] && export PYTHONPATH=/root/raysite:$PYTHONPATH PATH=/root/raysite/bin:$PATH

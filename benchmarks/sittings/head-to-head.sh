@@ -34,6 +34,9 @@ export BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 export METHODS=AMXINT4
 export SGLANG_PYTHON=${SGLANG_PYTHON:-/root/sglsite/python}
 mkdir -p "$BENCH_OUT"
+# Everything this sitting starts inherits its tag: benchmarks/sittings/stop.sh stops it all by the tag
+export VLLM_KT_SITTING=${VLLM_KT_SITTING:-sitting-$(date +%s)-$$}
+echo "$VLLM_KT_SITTING" > "$BENCH_OUT/sitting.tag"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')  # H100 80GB HBM3 -> h100
 SERVER_JSON=${card:-gpu}_h2h_server_qwen3_30b_a3b.json
 ENGINE_JSON=${card:-gpu}_h2h_engine_qwen3_30b_a3b.json
@@ -55,7 +58,7 @@ leftovers() {
 }
 
 # H2H_FROM=N resumes a sitting from stage N on a host that kept what the earlier ones made
-# (after benchmarks/sittings/stop.sh: run that from a call whose command names no sitting script)
+# (after benchmarks/sittings/stop.sh, which stops the sitting by its tag)
 from() { [ "${H2H_FROM:-1}" -le "$1" ]; }
 
 if from 1; then
