@@ -32,6 +32,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     argv += ["--kt-env", "KT_NUM_GPU_EXPERTS=4"]  # half of the 8 on kt-kernel (0.05 GiB would hold them all)
     argv += [
         "--server-engine",
+        "--decode-timeline",
         "--decode-tokens",
         "8",
         "--decode-repeats",
@@ -78,3 +79,10 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
         assert all(layer["path"] == "CPU-experts" and layer["cpu_ms"] > 0 for layer in step["layers"]), step
     assert [x["tokens"] for x in summary] == [s["tokens"] for s in steps]
     assert all(x["moe_ms"] > 0 and x["span_ms"] >= x["moe_ms"] for x in summary), summary
+    # kt-hybrid's decode steps (bench/decode_timeline.py), armed at the server's start and read
+    # back through /collective_rpc after each batch size: every layer of every step of one token
+    # stamped (times on this build mean nothing: their order and presence do).
+    decode = run["decode_timeline"]["1"]
+    assert decode["steps"] >= 3 * 8 and decode["layers"] == config["num_hidden_layers"], decode
+    assert [layer["layer"] for layer in decode["per_layer"]] == list(range(config["num_hidden_layers"]))
+    assert 0 < decode["sum_cpu_ms"] <= decode["step_ms"], decode  # each step holds its layers' CPU side

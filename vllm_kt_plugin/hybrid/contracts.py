@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
     from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
     from vllm_kt_plugin.hybrid.host_experts import HostExperts
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
@@ -114,6 +115,7 @@ class ProcessState(Protocol):
     # the layers themselves (deferral) and what their observers report to
     recorder: RoutingRecorder
     timeline: Timeline
+    decode_timeline: DecodeTimeline
     swap_log: SwapLog
 
     def add_layer(self, layer: HybridLayer) -> None: ...

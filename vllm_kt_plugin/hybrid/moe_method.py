@@ -37,7 +37,7 @@ from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, 
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
-from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer
+from vllm_kt_plugin.hybrid.observers import RecordsDecode, RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     ask_for_amx_tiles,
@@ -243,6 +243,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self.observers.append(TimesLayer(metrics, self.layer_idx))
         if self.cpu is not None:
             self.observers.append(RecordsTimeline(context.process.timeline, self.layer_idx))
+            if context.process.decode_timeline.armed:
+                self.observers.append(RecordsDecode(context.process.decode_timeline, self.layer_idx))
         self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
         self._create_args: dict[str, Any] = {}
         context.process.add_layer(self)

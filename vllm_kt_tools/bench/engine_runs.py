@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench.decode_timeline import ARMED_ENV
 from vllm_kt_tools.bench.peers import offload_gb, prefetch_sweep, uva_engine_args
 from vllm_kt_tools.bench.shapes import CHECKPOINTS, ModelSizes
 
@@ -114,6 +115,8 @@ def plan_runs(
         weight_path = {"KT_WEIGHT_PATH": expert_files} if own_method is not None and expert_files else {}
         for method in methods:
             env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu), **weight_path, **dict(args.kt_env)}
+            if getattr(args, "decode_timeline", False):  # armed at start: its stamps go into the CUDA graphs
+                env.update(ARMED_ENV)
             if args.cpuinfer:
                 env["KT_CPUINFER"] = str(args.cpuinfer)
             gb = round(sizes.gpu_weight_bytes(n_gpu) / GIB, 2)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench import decode_timeline, routing
 from vllm_kt_tools.bench.engine_child import (
     MODEL_LOAD_RE,
     TTFT_SEEDS,
@@ -116,8 +116,12 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline:
 
         return decode_repeats(pair, work.decode_repeats)
 
-    into.update(decode_summary("decode_bs1", *rates(1, seed=1)))
-    into.update(decode_summary("decode_bs16", *rates(16, seed=2)))
+    timeline.collect_decode()  # forget the start-up's forwards
+    for batch, seed in ((1, 1), (16, 2)):
+        into.update(decode_summary(f"decode_bs{batch}", *rates(batch, seed=seed)))
+        decode_steps = decode_timeline.summarize(timeline.collect_decode(), batch)  # armed: --decode-timeline
+        if decode_steps is not None:
+            into.setdefault("decode_timeline", {})[str(batch)] = decode_steps
     prefill_len = min(work.prefill_len, work.max_model_len - 2)
     # Prefills go unseeded: their one sampled token routes nothing that matters, and vLLM 0.32's CPU
     # build fails a seeded request whose prompt is chunked ("CPU Generator does not use offset").
@@ -182,4 +186,6 @@ def server_engine_run(
     print(f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {outcome}", flush=True)
     for step in result.get("timeline", {}).get("summary", []):
         print(f"[bench] {name}: {describe(step)}", flush=True)
+    for batch, summary in result.get("decode_timeline", {}).items():
+        print(f"[bench] {name}: {decode_timeline.describe(int(batch), summary)}", flush=True)
     return result
