@@ -58,6 +58,7 @@ MISTAKES = [
     # (id, env, variable named, value named)
     ("unknown backend", {"KT_BACKEND": "nope"}, "KT_BACKEND", "nope"),
     ("unknown method", {"KT_METHOD": "INT3"}, "KT_METHOD", "INT3"),
+    ("unknown vllm cores", {"KT_VLLM_CORES": "pinned"}, "KT_VLLM_CORES", "pinned"),
     ("negative gpu experts", {"KT_NUM_GPU_EXPERTS": "-1"}, "KT_NUM_GPU_EXPERTS", "-1"),
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
     ("split share of one", {"KT_GPU_PREFILL_SPLIT": "1"}, "KT_GPU_PREFILL_SPLIT", "1"),

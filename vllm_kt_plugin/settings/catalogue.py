@@ -29,6 +29,8 @@ DEFAULT_BACKEND = "kt_kernel"
 # Cores left to vLLM by the default KT_CPUINFER: kt-kernel's spinning workers plus the
 # Python and CUDA-callback threads oversubscribe a fully used CPU (13-26x slower measured).
 RESERVED_CORES = 2
+# KT_VLLM_CORES: where vLLM's threads in kt-kernel's process may run (cpu_backends/kt_kernel/cores.py)
+VLLM_CORES = ("auto", "shared", "free")
 
 # KT_GPU_PREFILL_MIN_TOKENS=auto where the split cannot run (tensor parallelism: the host
 # copy holds each rank's shard): the token count from which one layer's whole-layer GPU
@@ -365,6 +367,16 @@ VARIABLES: tuple[Variable, ...] = (
         integer(1),
         None,  # divided from the host's usable cores (KTSettings.cpuinfer_threads)
         "requested_threads",
+    ),
+    Variable(
+        "KT_VLLM_CORES",
+        "auto (shared; free is for measuring it, docs/benchmarks.md)",
+        "auto, shared or free",
+        "where vLLM's own threads in kt-kernel's process run: on any core (shared) or only on the cores "
+        "kt-kernel's pinned workers leave free (free)",
+        one_of(VLLM_CORES, "unknown choice"),
+        "auto",
+        "vllm_cores",
     ),
     Variable(
         "KT_THREADPOOL_COUNT",

@@ -8,6 +8,7 @@ weights. Presets and the routing profile are composed on top by ``settings.loade
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -26,12 +27,18 @@ def check_cache_dir(path: str) -> str:
     return str(parse_variable({"KT_CACHE_DIR": path}, "KT_CACHE_DIR"))
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (affinity and cgroup-pinned sets respected)."""
+@functools.cache
+def process_cores() -> tuple[int, ...]:
+    """The cores this process may run on (affinity and cgroup-pinned sets respected), as it
+    started: KT_VLLM_CORES=free narrows the threads' affinity later."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(process_cores())
 
 
 def numa_node_count() -> int:
@@ -137,6 +144,7 @@ class KTSettings:
     cpuinfer_threads: int = 1
     requested_threads: int | None = _unset("KT_CPUINFER")  # as given; None: divided from the usable cores
     threadpool_count: int = _unset("KT_THREADPOOL_COUNT")
+    vllm_cores: str = _unset("KT_VLLM_CORES")
     chunked_prefill_size: int | None = _unset("KT_CHUNKED_PREFILL_SIZE")
     max_deferred_experts_per_token: int = _unset("KT_MAX_DEFERRED_EXPERTS_PER_TOKEN")
     cache_dir: str = _unset("KT_CACHE_DIR")
