@@ -229,7 +229,7 @@ run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head
   fi
   # SERVER_LOAD=N:C: then the load against each server measured; SERVER_ENGINE_ARGS: e.g. --append
   # shellcheck disable=SC2086 - SERVER_ENGINE_ARGS is a list of arguments
-  "${BENCH[@]}" --methods AMXINT4 --systems "$systems" --server-engine \
+  "${BENCH[@]}" --methods "${METHODS:-AMXINT4}" --systems "$systems" --server-engine \
       "${SGLANG[@]}" "${SWEEP[@]}" ${SERVER_LOAD:+--load $SERVER_LOAD} ${SERVER_ENGINE_ARGS:-} \
       --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" >> "$BENCH_OUT/server-engine.log" 2>&1
 }
