@@ -12,9 +12,9 @@
 #   1. AMXINT4 experts, quantized once without the GPU
 #   2. one `vllm-kt bench --server-engine --decode-timeline` call: bare kt-kernel through every layer
 #      (the kernel sweep), then a server per point, each saved to the JSON as it ends: 14 threads
-#      (the default on 16 cores), 12, 10, 14 and 12 with vLLM's threads off kt-kernel's cores
-#      (KT_VLLM_CORES=free), 14 without the timeline's stamps (their cost), and 14 with kt-kernel's
-#      own phase timing in its log (KT_MOE_PHASE_TIMING)
+#      (the default on 16 cores), 12, 14 with vLLM's threads off kt-kernel's cores (KT_VLLM_CORES=free),
+#      10, 12 free, 14 without the timeline's stamps (their cost), and 14 with kt-kernel's own phase
+#      timing in its log (KT_MOE_PHASE_TIMING)
 # A dry run on vLLM's CPU build (the plumbing, not the figures): BENCH_OUT=/tmp/decode-dry
 #   BENCH_ARGS="--model <a tiny model> --kt-env KT_NUM_GPU_EXPERTS=4 --cpuinfer 1" DECODE_POINTS="t1-free:KT_VLLM_CORES=free"
 #   METHODS=BF16 (where the CPU has no AMX)
@@ -33,7 +33,7 @@ export BENCH_ARGS="--decode-tokens 16 --decode-repeats 7 ${BENCH_ARGS:-}"
 stage() { echo "$(date +%T) SITTING $*" | tee -a "$BENCH_OUT/stages.log"; }
 
 # The points after the default run (14 threads on 16 cores, the timeline armed), in order of value.
-POINTS=${DECODE_POINTS:-"t12:KT_CPUINFER=12 t10:KT_CPUINFER=10 t14-free:KT_VLLM_CORES=free \
+POINTS=${DECODE_POINTS:-"t12:KT_CPUINFER=12 t14-free:KT_VLLM_CORES=free t10:KT_CPUINFER=10 \
 t12-free:KT_CPUINFER=12,KT_VLLM_CORES=free t14-unstamped:VLLM_KT_DECODE_TIMELINE=0 \
 t14-phases:KT_MOE_PHASE_TIMING=1,KT_MOE_PHASE_TIMING_INTERVAL=4800"}
 variants=()

@@ -43,5 +43,11 @@ def test_the_gap_to_the_limit_is_accounted_for() -> None:
     }
     assert found["unexplained_ms"] == 0.0
     run = {"method": "AMXINT4", "decode_timeline": {"1": summary}}
-    add_limits(run, {"AMXINT4": limit})
+    add_limits(run, {"decode_limit": {"AMXINT4": limit}})
     assert run["decode_timeline"]["1"]["against_limit"] == found
+    # bare kt-kernel at 2.5 ms a layer: 5 ms of the 6 the CPU side takes, 1 ms beyond the read
+    sweep = {"AMXINT4": {"tokens": {"1": {"per_layer_ms": 2.5}}}}
+    add_limits(run, {"decode_limit": {"AMXINT4": limit}, "kernel_sweep": sweep})
+    split = run["decode_timeline"]["1"]["against_limit"]
+    assert split["gap"]["kt_kernel_beyond_read_ms"] == 1.0 and split["gap"]["cpu_side_beyond_kt_kernel_ms"] == 1.0
+    assert "cpu_side_beyond_read_ms" not in split["gap"] and split["unexplained_ms"] == 0.0

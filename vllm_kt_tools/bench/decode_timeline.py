@@ -50,21 +50,30 @@ def _layer_medians(steps: list[dict[str, Any]], i: int) -> dict[str, Any]:
     return {"layer": rows[0]["layer"], **medians}
 
 
-def against_limit(summary: dict[str, Any], limit: dict[str, Any], batch: int) -> dict[str, Any]:
+def against_limit(
+    summary: dict[str, Any], limit: dict[str, Any], batch: int, kernel_layer_ms: float | None = None
+) -> dict[str, Any]:
     """Where the time between the host's limit and the measured step goes (ms per step): the
     limit is one step's read of its distinct CPU experts at the host's bandwidth
     (``memory_bandwidth.decode_limit``). A step is the submits, the GPU experts and the wait
     for the CPU (the CPU side as the GPU's stream sees it), the rest of the model between MoE
-    layers and what runs outside them; the CPU side beyond the read is kt-kernel's compute,
-    its threads' wake-up and the sync."""
+    layers and what runs outside them. With bare kt-kernel's own time per layer (the kernel
+    sweep, ``kernel_layer_ms``), the CPU side beyond the read splits into kt-kernel's compute
+    beyond it and the rest (its threads' wake-up, the sync, GPU work not under the CPU's)."""
     limit_ms = 1e3 * batch / limit[f"bs{batch}"]["tok_s"]
     cpu_side = summary["sum_gpu_ms"] + summary["sum_wait_ms"]
-    parts = {
-        "cpu_side_beyond_read_ms": round(cpu_side - limit_ms, 4),
-        "submit_ms": summary["sum_submit_ms"],
-        "rest_of_model_ms": summary["sum_rest_ms"],
-        "outside_moe_layers_ms": summary["outside_ms"],
-    }
+    parts: dict[str, float] = {}
+    if kernel_layer_ms is None:
+        parts["cpu_side_beyond_read_ms"] = round(cpu_side - limit_ms, 4)
+    else:
+        kernel_ms = kernel_layer_ms * summary["layers"]
+        parts["kt_kernel_beyond_read_ms"] = round(kernel_ms - limit_ms, 4)
+        parts["cpu_side_beyond_kt_kernel_ms"] = round(cpu_side - kernel_ms, 4)
+    parts.update(
+        submit_ms=summary["sum_submit_ms"],
+        rest_of_model_ms=summary["sum_rest_ms"],
+        outside_moe_layers_ms=summary["outside_ms"],
+    )
     step = summary["step_ms"]
     return {
         "limit_step_ms": round(limit_ms, 4),
@@ -72,16 +81,20 @@ def against_limit(summary: dict[str, Any], limit: dict[str, Any], batch: int) ->
         "share_of_limit": round(limit_ms / step, 3),
         "gap_ms": round(step - limit_ms, 4),
         "gap": parts,
-        "unexplained_ms": round(step - limit_ms - sum(parts.values()), 4),
+        "unexplained_ms": round(step - limit_ms - sum(parts.values()), 4),  # medians do not add up exactly
     }
 
 
-def add_limits(run: dict[str, Any], limits: dict[str, Any]) -> None:
-    """A run's decode summaries against the sitting's limit for its method (``decode_limit``)."""
-    limit = limits.get(run.get("method", ""))
+def add_limits(run: dict[str, Any], report: dict[str, Any]) -> None:
+    """A run's decode summaries against the sitting's limit for its method (``decode_limit``)
+    and bare kt-kernel's time per layer (``kernel_sweep``, at the sweep's thread count)."""
+    method = run.get("method", "")
+    limit = report.get("decode_limit", {}).get(method)
+    sweep = report.get("kernel_sweep", {}).get(method, {}).get("tokens", {})
     for batch, summary in (run.get("decode_timeline") or {}).items():
         if limit is not None and f"bs{batch}" in limit:
-            summary["against_limit"] = against_limit(summary, limit, int(batch))
+            kernel = sweep.get(batch, {}).get("per_layer_ms")
+            summary["against_limit"] = against_limit(summary, limit, int(batch), kernel)
 
 
 def describe(batch: int, summary: dict[str, Any]) -> str:

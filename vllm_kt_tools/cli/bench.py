@@ -133,7 +133,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     for spec in runs:
         wait_until_free(spec.name)
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
-        add_limits(report["runs"][-1], report.get("decode_limit", {}))
+        add_limits(report["runs"][-1], report)
         save(report, args.out)
     record_prefetch_sweep(report)
     hybrid = best_hybrid(report["runs"])
@@ -326,7 +326,7 @@ def run_server_engine(
             )
             record = served_run_record(spec)
             run = server_engine_run(server, f"server-{spec.name}", record, work, routed, load, spec.model)
-            add_limits(run, report.get("decode_limit", {}))
+            add_limits(run, report)
             section["runs"].append(run)
             save(report, args.out)
 
