@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN
 from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights
@@ -110,41 +111,71 @@ def test_versions() -> None:
     assert check_versions({"kt-kernel": None}, "torch")[0].level == WARN
 
 
+def small_qwen3(model: Path) -> Path:
+    """config.json and BF16 experts of a tiny Qwen3-MoE (3 layers, 4 experts of 256 x 128)."""
+    from safetensors.torch import save_file
+
+    model.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 4, "hidden_size": 128}
+    (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 256}))
+    shapes = {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}
+    tensors = {
+        f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+        for layer in range(3)
+        for e in range(4)
+        for p, shape in shapes.items()
+    }
+    save_file(tensors, str(model / "model.safetensors"))
+    return model
+
+
 def test_amx_weights_in_kt_layout(tmp_path: Path) -> None:
-    for layer in range(3):
-        for numa in range(2):
-            shard = tmp_path / f"_layer_{layer}" / f"_numa_{numa}"
-            shard.mkdir(parents=True)
-            (shard / "INT4_down_0_Byte_quant_.kt").write_bytes(b"")
-    verdict = check_weights("AMXINT4", str(tmp_path), None)
-    assert verdict.level == OK and "3 layers x 2 NUMA shard(s)" in verdict.reason
+    from vllm_kt_tools.support.kt_weight_layouts import fake_layers
+
+    layers = fake_layers(small_qwen3(tmp_path / "model"), tmp_path / "layers", "AMXINT4", pools=2)
+    verdict = check_weights("AMXINT4", str(layers), None, pools=2)
+    assert verdict.level == OK and "layers 0..2; 2 NUMA pools" in verdict.reason, verdict
+    assert "pass --model DIR" in verdict.reason  # without the model's config: the kind of weights only
 
 
 @pytest.mark.parametrize(
     "method,file,level",
     [
-        ("AMXINT4", "model.safetensors", OK),  # kt quant's merged output
+        ("AMXINT4", "converted", OK),  # kt quant's merged output
         ("AMXINT4", "model.gguf", ERROR),
         ("LLAMAFILE", "model-Q4_K_M.gguf", OK),
         # kt-kernel reads the .gguf files directly in the folder, not in subfolders
         ("LLAMAFILE", "sub/model-Q4_K_M.gguf", ERROR),
-        ("LLAMAFILE", "model.safetensors", ERROR),
-        ("BF16", "model-00001.safetensors", OK),
+        ("LLAMAFILE", "checkpoint", ERROR),
+        ("BF16", "checkpoint", OK),
         ("FP8", "model.gguf", ERROR),
-        ("MOE_INT4", "anything.bin", WARN),
+        ("MOE_INT4", "anything.bin", ERROR),
     ],
 )
 def test_weight_files_against_the_method(tmp_path: Path, method: str, file: str, level: str) -> None:
-    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / file).write_bytes(b"")
-    assert check_weights(method, str(tmp_path), None).level == level
+    """Without --model, what the folder holds against what the method reads (serve's check:
+    tests/unit/test_weight_paths.py)."""
+    from vllm_kt_tools.support.kt_weight_layouts import convert_layers, fake_layers
+
+    weights = tmp_path / "weights"
+    if file == "checkpoint":
+        small_qwen3(weights)
+    elif file == "converted":
+        model = small_qwen3(tmp_path / "model")
+        weights = convert_layers(fake_layers(model, tmp_path / "layers", "AMXINT4"), model, tmp_path, "AMXINT4")
+    else:
+        (weights / file).parent.mkdir(parents=True, exist_ok=True)
+        (weights / file).write_bytes(b"")
+    assert check_weights(method, str(weights), None).level == level
 
 
 def test_weights_default_to_the_model_dir_only_for_checkpoint_methods(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    assert check_weights("BF16", None, str(tmp_path)).level == OK
-    assert check_weights("AMXINT4", None, str(tmp_path)).level == OK  # quantized online, cached
+    model = small_qwen3(tmp_path / "model")
+    assert check_weights("BF16", None, str(model)).level == OK
+    assert check_weights("AMXINT4", None, str(model)).level == OK  # quantized online, cached
     assert check_weights("BF16", None, None).level == WARN
+    (tmp_path / "empty").mkdir()
+    assert check_weights("BF16", None, str(tmp_path / "empty")).level == ERROR  # no *.safetensors
 
 
 def test_ram_against_the_cpu_experts() -> None:
@@ -213,7 +244,8 @@ def test_every_problem_is_reported(model_dir: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "ERROR  settings   KT_WEIGHT_PATH=" in out  # a bad variable is still reported, the rest still runs
     assert "WARN   cpu" in out and "WARN   threads" in out and "ERROR  ram" in out
-    assert "ERROR  weights    " + str(model_dir / "missing") + " is not a directory" in out
+    # the settings' line again, as serve would say it (with the raw value doctor was given)
+    assert f"ERROR  weights    KT_WEIGHT_PATH='{model_dir / 'missing'}' is invalid (no such directory)" in out
 
 
 def test_unreadable_model_config(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_auto_reads_gguf_weights_with_llamafile(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_auto_with_converted_weights_asks_for_their_method(tmp_path: Path) -> None:
-    with pytest.raises(KTConfigError, match="KT_METHOD='auto' is invalid .* holds converted weights"):
+    with pytest.raises(KTConfigError, match="KT_METHOD='auto' is invalid .* holds an empty folder; auto picks"):
         KTKernelExperts.resolve_method(settings(KT_WEIGHT_PATH=str(tmp_path)), CheckpointFormat())
 
 

@@ -137,9 +137,12 @@ def test_cache_dir_that_cannot_be_created(tmp_path: Path) -> None:
     assert "cannot create" in str(exc.value)
 
 
-def test_amx_method_accepted_where_amx_exists(with_amx: None, weights_dir: Path) -> None:
-    kt, backend = build({"KT_METHOD": "amxint8", "KT_WEIGHT_PATH": str(weights_dir)})
-    assert (kt.method, backend.name, kt.weight_path) == ("AMXINT8", "kt_kernel", str(weights_dir.resolve()))
+def test_amx_method_accepted_where_amx_exists(with_amx: None, tmp_path: Path) -> None:
+    quantized = tmp_path / "w" / "_layer_0" / "_numa_0"  # kt-kernel's own AMXINT8 files (weight_paths.py)
+    quantized.mkdir(parents=True)
+    (quantized / "INT8_up_0_64Byte_quant_.kt").write_bytes(b"x" * 64)
+    kt, backend = build({"KT_METHOD": "amxint8", "KT_WEIGHT_PATH": str(tmp_path / "w")})
+    assert (kt.method, backend.name, kt.weight_path) == ("AMXINT8", "kt_kernel", str((tmp_path / "w").resolve()))
 
 
 def test_torch_backend_refuses_quantized_checkpoint() -> None:

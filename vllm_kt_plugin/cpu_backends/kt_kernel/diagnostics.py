@@ -5,21 +5,19 @@ doctor, which asks each backend through ``CPUExperts.diagnose``."""
 
 from __future__ import annotations
 
-import glob
-import os
-from pathlib import Path
-
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, Diagnostic
-from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import gguf_files, is_gguf_path
+from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import is_gguf_path
 from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import gguf_hint, ranking, source
-from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
-    QUANTIZES_ONLINE,
-    READS_HF_CHECKPOINT,
-    kernel_available,
-    weight_files_missing,
+from vllm_kt_plugin.cpu_backends.kt_kernel.methods import QUANTIZES_ONLINE, kernel_available
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
+    Checkpoint,
+    check_default,
+    check_model_directory,
+    check_weight_path,
 )
 from vllm_kt_plugin.settings.catalogue import KT_METHODS
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.model_memory import ExpertShape
 
 AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
@@ -117,48 +115,39 @@ def fastest_here(weight_path: str | None = None) -> Diagnostic:
     )
 
 
-def _found(directory: str, pattern: str) -> int:
-    return len(glob.glob(os.path.join(directory, pattern), recursive=True))
-
-
-def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Diagnostic:
+def check_weights(
+    method: str | None,
+    weight_path: str | None,
+    model_dir: str | None,
+    *,
+    pools: int = 1,
+    checkpoint: Checkpoint | None = None,
+    shape: ExpertShape | None = None,
+    variant: str | None = None,
+) -> Diagnostic:
+    """Serve's weight checks (weight_paths.py), with serve's line where it would refuse;
+    the ``checkpoint`` and the experts' ``shape`` where doctor read the model's config."""
     if method is None:
         return Diagnostic("weights", WARN, "KT_METHOD unknown; not checked")
-    if weight_path is None and method in QUANTIZES_ONLINE:
-        return Diagnostic(
-            "weights",
-            OK,
-            f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
-        )
-    directory = weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
-    if directory is None:
-        if method in READS_HF_CHECKPOINT:
+    try:
+        if weight_path is not None:
+            held = check_weight_path(
+                method, weight_path, pools=pools, checkpoint=checkpoint, model=shape, variant=variant
+            )
+            every = "" if shape is not None else " (pass --model DIR to check every layer against the model)"
+            return Diagnostic("weights", OK, f"KT_METHOD={method} reads {weight_path}: {held.describe()}{every}")
+        refusal = check_default(method, checkpoint or Checkpoint(own_method=method))
+        if refusal is not None:
+            return Diagnostic("weights", ERROR, str(refusal))
+        if method in QUANTIZES_ONLINE:
+            return Diagnostic(
+                "weights",
+                OK,
+                f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
+            )
+        if model_dir is None:
             return Diagnostic("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
-        return Diagnostic("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
-    if method == "LLAMAFILE":
-        try:
-            files = gguf_files(directory)
-        except KTConfigError as e:
-            return Diagnostic("weights", ERROR, str(e))
-        return Diagnostic(
-            "weights", OK, f"LLAMAFILE reads {len(files)} GGUF file(s): {', '.join(f.name for f in files)}"
-        )
-    if not os.path.isdir(directory):
-        return Diagnostic("weights", ERROR, f"{directory} is not a directory")
-    if method in QUANTIZES_ONLINE:
-        shards = _found(directory, "_layer_*/_numa_*/*.kt")
-        if shards:
-            layers = _found(directory, "_layer_*")
-            numa = len({Path(p).name for p in glob.glob(os.path.join(directory, "_layer_*", "_numa_*"))})
-            return Diagnostic("weights", OK, f"kt-kernel {method} layout: {layers} layers x {numa} NUMA shard(s)")
-        if _found(directory, "*.safetensors"):
-            return Diagnostic("weights", OK, f"merged *.safetensors (must be `kt quant` output for {method})")
-        return Diagnostic(
-            "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
-        )
-    if method not in READS_HF_CHECKPOINT:
-        return Diagnostic("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
-    missing = weight_files_missing(method, directory)
-    if missing is None:
-        return Diagnostic("weights", OK, f"{method} reads the weight files in {directory}")
-    return Diagnostic("weights", ERROR, f"{directory} holds no {missing} files, which KT_METHOD={method} reads")
+        check_model_directory(method, model_dir, shape)
+        return Diagnostic("weights", OK, f"KT_METHOD={method} reads the model directory {model_dir}")
+    except KTConfigError as e:
+        return Diagnostic("weights", ERROR, str(e))
