@@ -103,13 +103,13 @@ def test_a_method_auto_picked_that_the_model_cannot_tile_says_auto() -> None:
         check_alignment("AMXINT4", 128, 64, auto=True)
 
 
-def test_the_readme_table_is_the_committed_measurement() -> None:
-    from vllm_kt_tools.bench.cpu_methods import replace_readme_section
+def test_the_docs_table_is_the_committed_measurement() -> None:
+    from vllm_kt_tools.bench.cpu_methods import DOC, replace_doc_table
 
     source, result = committed_result()
-    readme = (ROOT / "README.md").read_text()
-    assert replace_readme_section(readme, result, source) == readme, (
-        f"README's CPU-methods table is stale: run `python -m vllm_kt_tools.bench.cpu_methods {source}`"
+    doc = ROOT.joinpath(*DOC).read_text()
+    assert replace_doc_table(doc, result, source) == doc, (
+        f"docs/cpu-methods.md's table is stale: run `python -m vllm_kt_tools.bench.cpu_methods {source}`"
     )
 
 
