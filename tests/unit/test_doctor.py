@@ -126,7 +126,7 @@ ZEN4_BUILD = KernelBuild(
 @pytest.mark.parametrize(
     "method,flags,level,words",
     [
-        ("LLAMAFILE", ZEN4_FLAGS, OK, "KT_METHOD=LLAMAFILE: 2.90 ms a layer at batch 1, the fastest here"),
+        ("LLAMAFILE", ZEN4_FLAGS, OK, "LLAMAFILE: LLAMAFILE Q4_K: 2.90 ms a layer at batch 1, the fastest here"),
         # no AMX, yet AMXINT8 is measured close to the fastest: its verdict is the measurement's
         ("AMXINT8", ZEN4_FLAGS, OK, "1.3x the fastest's time, within the measurement's noise"),
         ("AMXINT4", ZEN4_FLAGS, WARN, "2.5x the fastest's time; the fastest: LLAMAFILE Q4_K, 2.90 ms"),

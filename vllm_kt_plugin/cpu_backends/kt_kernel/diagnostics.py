@@ -73,7 +73,8 @@ class KernelBuild:
         level, relative = self.relative(row)
         fastest = self.measured[0]
         than = "" if row is fastest else f"; the fastest: {fastest.row}, {fastest.batch_ms[DECODE_BATCH]:.2f} ms"
-        return level, f"{row.batch_ms[DECODE_BATCH]:.2f} ms a layer at batch {DECODE_BATCH}, {relative}{than}"
+        which = f"{row.row}: " if row.row != method else ""  # LLAMAFILE: its fastest GGUF type's row
+        return level, f"{which}{row.batch_ms[DECODE_BATCH]:.2f} ms a layer at batch {DECODE_BATCH}, {relative}{than}"
 
     def relative(self, row: MethodSpeed) -> tuple[str, str]:
         """``row`` against the fastest row at batch-1 decode: OK within the noise, else WARN."""
