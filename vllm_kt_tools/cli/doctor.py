@@ -316,7 +316,9 @@ def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
 
 def format_report(verdicts: Sequence[Diagnostic]) -> str:
     width = max(len(v.check) for v in verdicts)
-    lines = [f"{v.level:<5}  {v.check:<{width}}  {v.reason}" for v in verdicts]
+    # a reason of several lines (the methods line's table) continues under its first
+    indent = "\n" + " " * (5 + 2 + width + 2)
+    lines = [f"{v.level:<5}  {v.check:<{width}}  {indent.join(v.reason.splitlines())}" for v in verdicts]
     errors = sum(v.level == ERROR for v in verdicts)
     warnings = sum(v.level == WARN for v in verdicts)
     lines.append(f"{errors} error(s), {warnings} warning(s)")

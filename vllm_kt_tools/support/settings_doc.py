@@ -12,9 +12,14 @@ import sys
 from pathlib import Path
 
 from vllm_kt_plugin.settings.catalogue import KT_KERNEL_OWN_VARIABLES, VARIABLES
+from vllm_kt_plugin.source_checkout import checkout_path
 from vllm_kt_tools.support import weight_matrix
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+
+def doc_path() -> Path:
+    """docs/settings.md of the source checkout."""
+    return checkout_path("docs", "settings.md", needed_by="python -m vllm_kt_tools.support.settings_doc")
+
 
 HEADER = """\
 # Settings
@@ -75,9 +80,10 @@ def render() -> str:
 
 
 def main() -> int:
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(render())
-    print(f"wrote {DOC}", file=sys.stderr)
+    doc = doc_path()
+    doc.parent.mkdir(exist_ok=True)
+    doc.write_text(render())
+    print(f"wrote {doc}", file=sys.stderr)
     return 0
 
 
