@@ -48,6 +48,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     assert "error" not in run, run["error"]
     assert run["system"] == "kt-hybrid" and run["method"] == "BF16" and run["via"] == "server"
     assert all(run[figure] and run[figure] > 0 for figure in FIGURES), run
+    assert 0 < run["prefill_ttft_mean_s"] <= run["prefill_ttft_max_s"], run  # the 8 prompts' first tokens
     assert "gpu_weight_gb" in run, run  # read off vllm serve's log where it says (its CPU build does not)
     assert run["prefill_long_prompt_tokens"] == section["workload"]["max_model_len"] - 2  # the tiny model's 512
     assert json.loads(out.read_text())["server_engine"] == json.loads(json.dumps(section))

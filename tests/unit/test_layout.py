@@ -125,11 +125,12 @@ def test_settings_import_nothing_above_them() -> None:
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
 
 
-# hybrid/'s top: what builds a layer (the config, the method) and what holds the layers of a
-# process. Everything else in hybrid/ (the contracts, the paths, the observers and what they
-# use) sits below it and reaches the process state only through contracts.ProcessState.
+# hybrid/'s top: what builds a layer (the config, the method), what holds the layers of a
+# process, and the engine core's scheduler, which reads both. Everything else in hybrid/ (the
+# contracts, the paths, the observers and what they use) sits below it and reaches the process
+# state only through contracts.ProcessState.
 HYBRID = f"{RUNTIME}.hybrid"
-HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "process_state"))
+HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "process_state", "scheduler"))
 
 
 def test_hybrid_paths_and_observers_import_nothing_above_them() -> None:

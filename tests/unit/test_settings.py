@@ -63,6 +63,13 @@ MISTAKES = [
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
     ("split share of one", {"KT_GPU_PREFILL_SPLIT": "1"}, "KT_GPU_PREFILL_SPLIT", "1"),
     ("fp8 copy not a flag", {"KT_GPU_PREFILL_FP8_COPY": "2"}, "KT_GPU_PREFILL_FP8_COPY", "2"),
+    ("gather window in seconds", {"KT_GPU_PREFILL_GATHER_MS": "30000"}, "KT_GPU_PREFILL_GATHER_MS", "30000"),
+    (
+        "gather with GPU prefill off",
+        {"KT_GPU_PREFILL_GATHER_MS": "30", "KT_GPU_PREFILL_MIN_TOKENS": "0"},
+        "KT_GPU_PREFILL_GATHER_MS",
+        "30",
+    ),
     ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
     ("non-integer threads", {"KT_CPUINFER": "1.5"}, "KT_CPUINFER", "1.5"),
     ("more pools than NUMA nodes", {"KT_THREADPOOL_COUNT": "2"}, "KT_THREADPOOL_COUNT", "2"),
@@ -283,6 +290,18 @@ def test_gpu_prefill_is_auto_unless_set() -> None:
     )
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64
+
+
+def test_gather_window_is_30_ms_unless_set() -> None:
+    """KT_GPU_PREFILL_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
+    default stays quiet with GPU prefill off (only a value given is refused there)."""
+
+    def window(env: dict[str, str]) -> float:
+        return KTSettings.from_env(env, cores=4, numa_nodes=1).gpu_prefill_gather_ms
+
+    assert window({}) == 30.0 and window({"KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
+    off = {"KT_GPU_PREFILL_MIN_TOKENS": "0"}
+    assert window(off) == 30.0 and window({**off, "KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
 
 
 def test_dynamic_gpu_experts_are_validated(with_amx: None) -> None:

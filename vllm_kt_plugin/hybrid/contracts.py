@@ -64,9 +64,11 @@ class Forward:
 
 class SplitNeighbour(Protocol):
     """What a split path reads of the next layer's (``split_path.SplitPath``) to prefetch
-    that layer's predicted part into the other staging buffer."""
+    that layer's predicted part into the other staging buffer; and kt-hybrid's scheduler, of
+    every split path, from which size a forward streams the whole layer."""
 
     host: HostExperts | None
+    whole_min_tokens: int  # forwards from this size stage the whole layer (known once probed)
 
     @property
     def by_expert(self) -> bool: ...

@@ -115,7 +115,7 @@ def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
         )
 
 
-def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
+def cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     """Batch sizes vLLM will capture CUDA graphs for (none on CPU or when eager)."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
@@ -147,7 +147,7 @@ def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, c
         revision=model_config.revision,
         download_dir=vllm_config.load_config.download_dir,
         load_format=str(vllm_config.load_config.load_format),
-        cuda_graph_batch_sizes=_cuda_graph_batch_sizes(vllm_config),
+        cuda_graph_batch_sizes=cuda_graph_batch_sizes(vllm_config),
     )
 
 
@@ -230,7 +230,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             gpu=self.gpu,
             cpu=self.cpu,
             context=context,
-            cuda_graph_batch_sizes=_cuda_graph_batch_sizes(vllm_config),
+            cuda_graph_batch_sizes=cuda_graph_batch_sizes(vllm_config),
             make_shadow_native=functools.partial(_native_for_shadow, context.make_native, prefix),
         )
         self.paths = build_paths(self.parts)

@@ -37,6 +37,12 @@ VLLM_CORES = ("auto", "shared", "free")
 # prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
 GPU_PREFILL_AUTO_MIN_TOKENS = 2048
 
+# KT_GPU_PREFILL_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
+# the whole layer (~390 ms on the H100 whatever its size, docs/split.md): a lone prompt's first
+# token is late by at most this. The class vLLM loads by name for it (hybrid/scheduler.py).
+GPU_PREFILL_GATHER_MS = 30.0
+GATHERING_SCHEDULER = "vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler"
+
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
 # this copy equal to it, so KT_METHOD's help can list them without importing kt-kernel).
 KT_METHODS = (
@@ -438,6 +444,17 @@ VARIABLES: tuple[Variable, ...] = (
         auto_flag,
         AUTO,
         "gpu_prefill_fp8_copy",
+    ),
+    Variable(
+        "KT_GPU_PREFILL_GATHER_MS",
+        f"{GPU_PREFILL_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
+        "a number of milliseconds from 0 to 10000 (0 = off); not above 0 with KT_GPU_PREFILL_MIN_TOKENS=0",
+        "while no request runs, kt-hybrid's scheduler holds waiting prompts large enough to stream the whole layer "
+        "up to N ms after the oldest arrived, so that prompts sent together share one forward and its one copy of "
+        "the CPU experts (docs/split.md)",
+        number(0.0, 10000.0),
+        GPU_PREFILL_GATHER_MS,
+        "gpu_prefill_gather_ms",
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",

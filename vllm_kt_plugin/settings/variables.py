@@ -159,6 +159,7 @@ class KTSettings:
     gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
     gpu_prefill_split: float | None = _unset("KT_GPU_PREFILL_SPLIT")  # None: auto; a share: forced split
     gpu_prefill_fp8_copy: bool | None = None  # GPU prefill's host copy in block FP8; None: auto
+    gpu_prefill_gather_ms: float = _unset("KT_GPU_PREFILL_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -207,6 +208,13 @@ class KTSettings:
                 "1",
                 "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy",
                 "0 (or unset) with GPU prefill off; with KT_GPU_PREFILL_MIN_TOKENS auto or a number, the FP8 copy",
+            )
+        if prefill == 0 and values["gpu_prefill_gather_ms"] and (env.get("KT_GPU_PREFILL_GATHER_MS") or "").strip():
+            raise KTConfigError(
+                "KT_GPU_PREFILL_GATHER_MS",
+                env["KT_GPU_PREFILL_GATHER_MS"],
+                "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so no forward streams the whole layer",
+                "0 (or unset) with GPU prefill off",
             )
         return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
 

@@ -80,20 +80,30 @@ def complete(base_url: str, prompt: list[int], max_tokens: int, seed: int | None
     return int(answer["usage"]["completion_tokens"])
 
 
-def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float) -> float:
+def timed_requests(
+    base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float
+) -> tuple[float, list[float]]:
     """Seconds for all ``prompts`` sent at once (one request each, seeds ``seed``,
-    ``seed + 1``, ..., or none) to come back; each must have generated ``max_tokens``."""
+    ``seed + 1``, ..., or none) to come back, and each one's seconds from the start (with one
+    token asked: its time to first token); each must have generated ``max_tokens``."""
     started = time.perf_counter()
+
+    def one(i: int, prompt: list[int]) -> tuple[int, float]:
+        generated = complete(base_url, prompt, max_tokens, None if seed is None else seed + i, timeout_s)
+        return generated, time.perf_counter() - started
+
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        futures = [
-            pool.submit(complete, base_url, prompt, max_tokens, None if seed is None else seed + i, timeout_s)
-            for i, prompt in enumerate(prompts)
-        ]
-        generated = [future.result() for future in futures]
+        answers = [future.result() for future in [pool.submit(one, i, p) for i, p in enumerate(prompts)]]
     seconds = time.perf_counter() - started
+    generated = [n for n, _ in answers]
     if any(n != max_tokens for n in generated):
         raise RuntimeError(f"asked {max_tokens} tokens per request (ignore_eos), the server generated {generated}")
-    return seconds
+    return seconds, [s for _, s in answers]
+
+
+def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float) -> float:
+    """``timed_requests``' seconds for the whole batch."""
+    return timed_requests(base_url, prompts, max_tokens, seed, timeout_s)[0]
 
 
 def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline: Timeline | None = None) -> None:
@@ -128,12 +138,17 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline:
     # The prompts are the engine mode's (same seeds).
 
     def prefill(label: str, count: int, length: int, seed: int) -> float:
+        return prefill_requests(label, count, length, seed)[0]
+
+    def prefill_requests(label: str, count: int, length: int, seed: int) -> tuple[float, list[float]]:
         timeline.mark(label)
-        return timed_batch(base_url, random_prompts(count, length, work.vocab, seed), 1, None, work.timeout_s)
+        return timed_requests(base_url, random_prompts(count, length, work.vocab, seed), 1, None, work.timeout_s)
 
     prefill(f"8 x {prefill_len} warm-up", 8, prefill_len, 3)
-    prefill_s = prefill(f"8 x {prefill_len}", 8, prefill_len, 4)
+    prefill_s, firsts = prefill_requests(f"8 x {prefill_len}", 8, prefill_len, 4)
     into.update(prefill_tok_s=round(8 * prefill_len / prefill_s, 1), prefill_prompt_tokens=prefill_len)
+    # each prompt's first token (one asked), from when the 8 were sent: what holding them costs
+    into.update(prefill_ttft_mean_s=round(statistics.mean(firsts), 4), prefill_ttft_max_s=round(max(firsts), 4))
     ttft_s = statistics.median(prefill(f"one {prefill_len} alone, seed {s}", 1, prefill_len, s) for s in TTFT_SEEDS)
     into["ttft_one_prompt_s"] = round(ttft_s, 4)
     long_len = min(work.long_len, work.max_model_len - 2)

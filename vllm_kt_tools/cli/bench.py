@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
+from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER, GIB, SETTINGS_PREFIX, cache_root
 from vllm_kt_tools.bench import routing
 from vllm_kt_tools.bench.decode_timeline import add_limits
 from vllm_kt_tools.bench.engine_child import max_positions, run_in_child
@@ -450,6 +450,16 @@ def _sglang_points(text: str) -> tuple[str | tuple[int, int], ...]:
     return tuple(points)
 
 
+def _gather_windows(text: str) -> tuple[float, ...]:
+    try:
+        windows = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        windows = ()
+    if not windows or any(not 0 < w <= 10000 for w in windows):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds in (0, 10000], e.g. 30 or 15,30,60")
+    return windows
+
+
 def _load_spec(text: str) -> tuple[int, int]:
     prompts, _, concurrency = text.partition(":")
     try:
@@ -547,6 +557,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME:KT_A=1[,KT_B=2]",
         help="also run the first method with these KT_* settings, as run NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--gather-check",
+        nargs="?",
+        const=(None,),
+        type=_gather_windows,
+        metavar="MS[,MS]",
+        help="also run the first method behind kt-hybrid's scheduler (--scheduler-cls "
+        f"{GATHERING_SCHEDULER}: prompts sent together share one forward), as run gather at the plugin's "
+        "KT_GPU_PREFILL_GATHER_MS, or as gather-<MS>ms at each window given",
     )
     parser.add_argument(
         "--kt-env",
