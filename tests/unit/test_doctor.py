@@ -187,6 +187,12 @@ def test_all_cores_warns_of_oversubscription() -> None:
     verdict = check_threads(112, 112)
     assert verdict.level == WARN and "13-26x" in verdict.reason and "KT_CPUINFER=110" in verdict.reason
     assert check_threads(110, 112).level == OK
+    default = check_threads(110, 112, vllm_cores="free", by_default=True)
+    assert "(the default: usable cores - 2)" in default.reason and "KT_VLLM_CORES=free" in default.reason
+    assert (
+        "the default" not in check_threads(110, 112).reason
+        and "KT_VLLM_CORES=shared" in check_threads(110, 112).reason
+    )
 
 
 @pytest.mark.parametrize("pools,nodes,level", [(3, 2, ERROR), (1, 2, WARN), (2, 2, OK), (1, 1, OK)])

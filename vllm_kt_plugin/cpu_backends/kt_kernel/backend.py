@@ -16,7 +16,7 @@ import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, Diagnostic, LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-from vllm_kt_plugin.cpu_backends.kt_kernel.cores import keep_vllm_off_kt_cores, vllm_cores
+from vllm_kt_plugin.cpu_backends.kt_kernel.cores import keep_vllm_off_kt_cores, resolved_vllm_cores
 from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights, fastest_here
 from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import (
     LLAMAFILE_BLOCK,
@@ -470,7 +470,7 @@ class KTKernelExperts(CPUExperts):
         self.wrapper = kt_kernel.KTMoEWrapper(
             layer_idx=spec.layer_idx, weight_path=weight_path, **self._wrapper_args(max_deferred_experts_per_token)
         )
-        if vllm_cores(settings) == "free":  # kt-kernel's workers exist now
+        if resolved_vllm_cores(settings) == "free":  # kt-kernel's workers exist now
             keep_vllm_off_kt_cores(settings.cpuinfer_threads)
         # kt-kernel keeps this tensor's address and reads it on every forward: it must
         # live as long as the layer (a temporary here gave nondeterministic outputs).

@@ -22,7 +22,7 @@ logger = logging.getLogger(LOGGER_NAME)
 KT_THREAD_PREFIX = "numa_"  # kt-kernel's worker threads' names
 
 
-def vllm_cores(settings: KTSettings) -> str:
+def resolved_vllm_cores(settings: KTSettings) -> str:
     """``shared`` or ``free`` for ``auto``: shared until a sitting measures free against it."""
     return "shared" if settings.vllm_cores == "auto" else settings.vllm_cores
 
