@@ -3,9 +3,10 @@ implementation of ``contracts.ProcessState`` that layers reach through their con
 
 It holds the layers in decoder order (for deferral and for staging's prefetch of the next
 layer), the staging buffers and the split's probed costs, the metrics collector, the
-routing recorder behind ``vllm-kt profile``, the bench's timeline and the log of dynamic
-expert swaps: one per process, so one per model (``process_state()``). It imports no path
-or observer: it knows them as the contracts' ``HybridLayer`` and ``SplitNeighbour``.
+routing recorder behind ``vllm-kt profile``, the bench's per-forward and decode timelines
+and the log of dynamic expert swaps: one per process, so one per model
+(``process_state()``). It imports no path or observer: it knows them as the contracts'
+``HybridLayer`` and ``SplitNeighbour``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
 from vllm_kt_plugin.hybrid.staging.buffers import StagingBuffers
@@ -38,6 +40,7 @@ class HybridProcessState:
         self.split_probe: ProbedCosts | None = None  # the split's cost model, probed once per process
         self.recorder = RoutingRecorder()
         self.timeline = Timeline()  # the bench's per-forward timeline, off unless it asks
+        self.decode_timeline = DecodeTimeline()  # the bench's decode timeline, armed by its variable
         self.swap_log = SwapLog()
         self._staging: dict[torch.device, StagingBuffers] = {}
         self._metrics: HybridMetrics | None = None

@@ -9,6 +9,7 @@ Presets and the routing profile are composed on top by ``settings.loader``.
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -27,12 +28,18 @@ def check_cache_dir(path: str) -> str:
     return str(parse_variable({"KT_CACHE_DIR": path}, "KT_CACHE_DIR"))
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (affinity and cgroup-pinned sets respected)."""
+@functools.cache
+def process_cores() -> tuple[int, ...]:
+    """The cores this process may run on (affinity and cgroup-pinned sets respected), as it
+    started: KT_VLLM_CORES=free narrows the threads' affinity later."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(process_cores())
 
 
 def numa_node_count() -> int:
@@ -160,6 +167,7 @@ class KTSettings:
     cpuinfer_threads: int = 1
     requested_threads: int | None = _unset("KT_CPUINFER")  # as given; None: divided from the usable cores
     threadpool_count: int = _unset("KT_THREADPOOL_COUNT")
+    vllm_cores: str = _unset("KT_VLLM_CORES")
     chunked_prefill_size: int | None = _unset("KT_CHUNKED_PREFILL_SIZE")
     max_deferred_experts_per_token: int = _unset("KT_MAX_DEFERRED_EXPERTS_PER_TOKEN")
     cache_dir: str = _unset("KT_CACHE_DIR")
@@ -173,6 +181,7 @@ class KTSettings:
     staging_min_tokens: int | Auto = _unset("KT_STAGING_MIN_TOKENS")  # 0: off
     staging_split: float | Auto = _unset("KT_STAGING_SPLIT")  # a share: the split forced
     staging_fp8_copy: bool | Auto = _unset("KT_STAGING_FP8_COPY")
+    gpu_prefill_gather_ms: float = _unset("KT_GPU_PREFILL_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -202,6 +211,14 @@ class KTSettings:
             )
         if values["expert_placement"] == "frequency" and values["expert_profile"] is None:
             raise KTConfigError("KT_EXPERT_PLACEMENT", "frequency", "KT_EXPERT_PROFILE is unset")
+        gather = (env.get("KT_GPU_PREFILL_GATHER_MS") or "").strip()
+        if values["staging_min_tokens"] == 0 and values["gpu_prefill_gather_ms"] and gather:
+            raise KTConfigError(
+                "KT_GPU_PREFILL_GATHER_MS",
+                gather,
+                "KT_STAGING_MIN_TOKENS=0 turns staging off, so no forward streams the whole layer",
+                "0 (or unset) with staging off",
+            )
         return cls(**values)._shared(share, cores=cores, numa_nodes=numa_nodes)
 
     def for_host(self, share: HostShare, *, cores: int | None = None, numa_nodes: int | None = None) -> KTSettings:

@@ -23,13 +23,14 @@ from functools import cache
 from pathlib import Path
 
 from vllm_kt_plugin.architectures import architecture_refusal
+from vllm_kt_plugin.source_checkout import checkout_path
 from vllm_kt_tools.support.tiny_models import ARCHITECTURES
 
-ROOT = Path(__file__).resolve().parents[2]
+COMMAND = "python -m vllm_kt_tools.support.supported_models"
 README_START, README_END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 _MOE_LAYER = re.compile(r"\b(?:Shared)?FusedMoE\w*\(")
 _RELATIVE_IMPORT = re.compile(r"^from \.(\w+) import", re.MULTILINE)
-_E2E_TESTS = ROOT / "tests" / "engine" / "test_engine_e2e.py"
+_E2E_TESTS = ("tests", "engine", "test_engine_e2e.py")  # read from the checkout (source_checkout)
 
 SERVED, REFUSED, NOT_CHECKED = "served", "refused at config time", "not checked"
 # How the served architectures are checked (tiny models trained on the spot, vLLM's CPU build
@@ -56,10 +57,11 @@ _METHODS = {
     "glm4_moe": (),
     "qwen2_moe": (),
 }
-_GGUF_TESTS = ROOT / "tests" / "engine" / "test_gguf_e2e.py"
+_GGUF_TESTS = ("tests", "engine", "test_gguf_e2e.py")
 
 
-def _test_constant(path: Path, name: str) -> list:
+def _test_constant(test: tuple[str, ...], name: str) -> list:
+    path = checkout_path(*test, needed_by=COMMAND)
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return list(ast.literal_eval(node.value))
@@ -212,8 +214,8 @@ def docs_page() -> str:
             "- **kt-kernel methods tested**: the `KT_METHOD`s the tests run on that tiny model: BF16 everywhere, "
             "AMXINT4/AMXINT8 quantized online, LLAMAFILE from GGUF experts exported in the test "
             "(`tests/engine/test_gguf_e2e.py`), the quantized checkpoints' own methods on the GPU host. Which "
-            "method is fastest depends on the CPU, not the model: `vllm-kt doctor` names it, `KT_METHOD=auto` "
-            "picks it (README, CPUs without AMX).",
+            "method is fastest depends on the CPU, not the model: `vllm-kt doctor` ranks them, `KT_METHOD=auto` "
+            "picks it ([cpu-methods.md](cpu-methods.md)).",
             "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads "
             "(`vllm_kt_plugin/architectures.py`; the column gives the reason).",
             "- **not checked**: nothing here says whether kt-hybrid serves it. Its MoE layers are refused when "
@@ -235,9 +237,9 @@ def replace_readme_section(readme: str) -> str:
 
 
 def main() -> None:
-    readme = ROOT / "README.md"
+    readme = checkout_path("README.md", needed_by=COMMAND)
     readme.write_text(replace_readme_section(readme.read_text()))
-    docs = ROOT / "docs" / "supported_models.md"
+    docs = checkout_path("docs", "supported_models.md", needed_by=COMMAND)
     docs.parent.mkdir(exist_ok=True)
     docs.write_text(docs_page())
     print(f"wrote {readme} and {docs}")
