@@ -162,7 +162,7 @@ def _empty_output() -> object:
 
 def test_the_scheduler_module_is_what_the_catalogue_names() -> None:
     module, _, name = GATHERING_SCHEDULER.rpartition(".")
-    assert Path(__file__).resolve().parents[2].joinpath(*module.split(".")).with_suffix(".py").is_file()
+    assert Path(__file__).resolve().parents[3].joinpath(*module.split(".")).with_suffix(".py").is_file()
     import importlib
 
     assert getattr(importlib.import_module(module), name).__name__ == name
