@@ -4,8 +4,7 @@ method that splits each layer between the native GPU method and a CPU backend
 
 A forward is route -> pick a path -> run it, observers told (``contracts``): the staging
 path its plan chose (``staging/``) or the CPU-experts path (``cpu_path``), listed in
-``paths``; the GPU experts through ``gpu_experts``. Observers: ``observers``,
-``dynamic_experts``. ``vllm_compat`` is every vLLM internal we rely on. Beside the layers,
-vLLM's engine core may load ``scheduler`` (``--scheduler-cls``): prompts sent together held
-back into one forward that streams the whole layer (``admission`` decides).
+``paths``; the GPU experts through ``gpu_experts``; observers in ``observers``. The engine
+core may load ``scheduler`` (``--scheduler-cls``), which gathers prompts sent together into
+one whole-layer forward. ``vllm_compat`` is every vLLM internal we rely on.
 """

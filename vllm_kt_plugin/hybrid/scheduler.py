@@ -1,13 +1,11 @@
 """``KTHybridScheduler``: vLLM's own scheduler, holding new prompts back for a few steps where
 prompts sent together would otherwise pay one whole-layer copy each (``admission`` decides).
 
-Turned on by ``vllm serve ... --quantization kt-hybrid --scheduler-cls
-vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler`` (KT_GPU_PREFILL_GATHER_MS: the wait).
-vLLM's engine core loads the class by name (``SchedulerConfig.get_scheduler_cls``, an
-interface vLLM calls not public) and builds it with the engine's config: what it builds is
-vLLM's ``Scheduler``, or its ``AsyncScheduler`` where vLLM schedules asynchronously, with the
-gate before each step (``vllm_compat.holding_scheduler_class``). The whole-layer threshold
-comes from the layers where they live in the engine core (one GPU), else from the settings.
+Turned on by ``vllm serve ... --scheduler-cls vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler``
+(KT_GPU_PREFILL_GATHER_MS: the wait). vLLM's engine core loads it by name and builds it with the
+engine's config; what it builds is vLLM's ``Scheduler`` or ``AsyncScheduler`` with the gate
+(``vllm_compat.holding_scheduler_class``). The whole layer's size comes from the layers where
+they live in the engine core (one GPU), else from the settings.
 """
 
 from __future__ import annotations
