@@ -162,7 +162,7 @@ def test_kt_hybrid_scheduler_gathers_prompts_sent_together(tiny_model, plain_ser
     prompts = burst_prompts()
     # 3 s: the 8 arrivals span 0.7 s, and this box is shared (a lone prompt waits the whole window)
     kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_STAGING_MIN_TOKENS": "16", "KT_METRICS_INTERVAL": "3600"}
-    env = clean_env(**kt, KT_GPU_PREFILL_GATHER_MS="3000")
+    env = clean_env(**kt, KT_STAGING_GATHER_MS="3000")
     forwards = {}
     for name, scheduler in (("vllm", []), ("kt-hybrid", ["--scheduler-cls", GATHERING_SCHEDULER])):
         log = tmp_path / f"{name}-scheduler.log"

@@ -179,7 +179,7 @@ def test_gather_check_runs_the_first_method_behind_kt_hybrids_scheduler() -> Non
     assert serve_args(runs[2], 512)[-4:] == ["--scheduler-cls", GATHERING_SCHEDULER, "--quantization", "kt-hybrid"]
     assert engine_kwargs(runs[2].engine_args) == {"scheduler_cls": GATHERING_SCHEDULER}
     runs = plan_runs(args(*argv, "--gather-check", "15,60"), "/m", "dummy", sizes)
-    assert [(r.variant, r.env.get("KT_GPU_PREFILL_GATHER_MS")) for r in runs[2:]] == [
+    assert [(r.variant, r.env.get("KT_STAGING_GATHER_MS")) for r in runs[2:]] == [
         ("gather-15ms", "15"),
         ("gather-60ms", "60"),
     ]

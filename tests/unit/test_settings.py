@@ -63,11 +63,17 @@ MISTAKES = [
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
     ("split share of one", {"KT_STAGING_SPLIT": "1"}, "KT_STAGING_SPLIT", "1"),
     ("fp8 copy not a flag", {"KT_STAGING_FP8_COPY": "2"}, "KT_STAGING_FP8_COPY", "2"),
-    ("gather window in seconds", {"KT_GPU_PREFILL_GATHER_MS": "30000"}, "KT_GPU_PREFILL_GATHER_MS", "30000"),
+    ("gather window in seconds", {"KT_STAGING_GATHER_MS": "30000"}, "KT_STAGING_GATHER_MS", "30000"),
     (
         "gather with staging off",
+        {"KT_STAGING_GATHER_MS": "30", "KT_STAGING_MIN_TOKENS": "0"},
+        "KT_STAGING_GATHER_MS",
+        "30",
+    ),
+    (
+        "gather by its former name with staging off",
         {"KT_GPU_PREFILL_GATHER_MS": "30", "KT_STAGING_MIN_TOKENS": "0"},
-        "KT_GPU_PREFILL_GATHER_MS",
+        "KT_STAGING_GATHER_MS",
         "30",
     ),
     ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
@@ -335,14 +341,21 @@ def test_a_former_name_still_works_and_names_the_new_one(warnings_seen: pytest.L
         "KT_GPU_PREFILL_MIN_TOKENS": "KT_STAGING_MIN_TOKENS",
         "KT_GPU_PREFILL_SPLIT": "KT_STAGING_SPLIT",
         "KT_GPU_PREFILL_FP8_COPY": "KT_STAGING_FP8_COPY",
+        "KT_GPU_PREFILL_GATHER_MS": "KT_STAGING_GATHER_MS",
     }
     variables._NOTICED.clear()
-    old = {"KT_GPU_PREFILL_MIN_TOKENS": "64", "KT_GPU_PREFILL_SPLIT": "0.5", "KT_GPU_PREFILL_FP8_COPY": "0"}
+    old = {
+        "KT_GPU_PREFILL_MIN_TOKENS": "64",
+        "KT_GPU_PREFILL_SPLIT": "0.5",
+        "KT_GPU_PREFILL_FP8_COPY": "0",
+        "KT_GPU_PREFILL_GATHER_MS": "10",
+    }
     parsed = load_settings(old, cores=4, numa_nodes=1)
     notices = [r.getMessage() for r in warnings_seen.records]
     load_settings(old, cores=4, numa_nodes=1)
     assert len(warnings_seen.records) == len(notices)  # once per process
     assert (parsed.staging_min_tokens, parsed.staging_split, parsed.staging_fp8_copy) == (64, 0.5, False)
+    assert parsed.staging_gather_ms == 10
     assert list(dict.fromkeys(notices)) == [
         f"kt-hybrid: {name} is now called {new}; the old name still works" for name, new in RENAMED.items()
     ], notices
@@ -354,15 +367,15 @@ def test_a_former_name_still_works_and_names_the_new_one(warnings_seen: pytest.L
 
 
 def test_gather_window_is_30_ms_unless_set() -> None:
-    """KT_GPU_PREFILL_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
+    """KT_STAGING_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
     default stays quiet with staging off (only a value given is refused there)."""
 
     def window(env: dict[str, str]) -> float:
-        return KTSettings.from_env(env, cores=4, numa_nodes=1).gpu_prefill_gather_ms
+        return KTSettings.from_env(env, cores=4, numa_nodes=1).staging_gather_ms
 
-    assert window({}) == 30.0 and window({"KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
+    assert window({}) == 30.0 and window({"KT_STAGING_GATHER_MS": "0"}) == 0
     off = {"KT_STAGING_MIN_TOKENS": "0"}
-    assert window(off) == 30.0 and window({**off, "KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
+    assert window(off) == 30.0 and window({**off, "KT_STAGING_GATHER_MS": "0"}) == 0
 
 
 def test_dynamic_gpu_experts_are_validated(with_amx: None) -> None:

@@ -2,7 +2,7 @@
 prompts sent together would otherwise pay one whole-layer copy each (``admission`` decides).
 
 Turned on by ``vllm serve ... --scheduler-cls vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler``
-(KT_GPU_PREFILL_GATHER_MS: the wait). vLLM's engine core loads it by name and builds it with the
+(KT_STAGING_GATHER_MS: the wait). vLLM's engine core loads it by name and builds it with the
 engine's config; what it builds is vLLM's ``Scheduler`` or ``AsyncScheduler`` with the gate
 (``vllm_compat.holding_scheduler_class``). The whole layer's size comes from the layers where
 they live in the engine core (one GPU), else from the settings.
@@ -53,8 +53,8 @@ def gate_for(vllm_config: VllmConfig) -> Callable[[WaitingQueues], bool] | None:
         logger.warning("kt-hybrid: %s without --quantization kt-hybrid: vLLM's own scheduling", GATHERING_SCHEDULER)
         return None
     settings = quant.settings
-    if not settings.gpu_prefill_gather_ms:
-        logger.info("kt-hybrid: scheduler: prompts are not held (KT_GPU_PREFILL_GATHER_MS=0): vLLM's own scheduling")
+    if not settings.staging_gather_ms:
+        logger.info("kt-hybrid: scheduler: prompts are not held (KT_STAGING_GATHER_MS=0): vLLM's own scheduling")
         return None
     scheduler = vllm_config.scheduler_config
     graphs = cuda_graph_batch_sizes(vllm_config)
@@ -69,7 +69,7 @@ def gate_for(vllm_config: VllmConfig) -> Callable[[WaitingQueues], bool] | None:
             seen,
         )
 
-    window_ms = settings.gpu_prefill_gather_ms
+    window_ms = settings.staging_gather_ms
     gate = AdmissionGate(
         window_ms / 1e3,
         scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens,
@@ -78,7 +78,7 @@ def gate_for(vllm_config: VllmConfig) -> Callable[[WaitingQueues], bool] | None:
     )
     logger.info(
         "kt-hybrid: scheduler: while no request runs, waiting prompts that stream the whole layer are held up to %g "
-        "ms after the oldest arrived, for more to join their forward (KT_GPU_PREFILL_GATHER_MS; the whole layer "
+        "ms after the oldest arrived, for more to join their forward (KT_STAGING_GATHER_MS; the whole layer "
         "streams from %s tokens, as known now)",
         window_ms,
         whole_from() or "no",

@@ -35,10 +35,10 @@ VLLM_CORES = ("auto", "shared", "free")
 # `vllm-kt bench`'s layer timing on the H200 host (docs/design.md, "Staging").
 WHOLE_LAYER_AUTO_MIN_TOKENS = 2048
 
-# KT_GPU_PREFILL_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
+# KT_STAGING_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
 # the whole layer (~390 ms on the H100 whatever its size, docs/split.md): a lone prompt's first
 # token is late by at most this. The class vLLM loads by name for it (hybrid/scheduler.py).
-GPU_PREFILL_GATHER_MS = 30.0
+STAGING_GATHER_MS = 30.0
 GATHERING_SCHEDULER = "vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler"
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
@@ -454,15 +454,16 @@ VARIABLES: tuple[Variable, ...] = (
         ("KT_GPU_PREFILL_FP8_COPY",),
     ),
     Variable(
-        "KT_GPU_PREFILL_GATHER_MS",
-        f"{GPU_PREFILL_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
+        "KT_STAGING_GATHER_MS",
+        f"{STAGING_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
         "a number of milliseconds from 0 to 10000 (0 = off); not above 0 with KT_STAGING_MIN_TOKENS=0",
         "while no request runs, kt-hybrid's scheduler holds waiting prompts large enough to stream the whole layer "
         "up to N ms after the oldest arrived, so that prompts sent together share one forward and its one copy of "
         "the CPU experts (docs/split.md)",
         number(0.0, 10000.0),
-        GPU_PREFILL_GATHER_MS,
-        "gpu_prefill_gather_ms",
+        STAGING_GATHER_MS,
+        "staging_gather_ms",
+        ("KT_GPU_PREFILL_GATHER_MS",),
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",

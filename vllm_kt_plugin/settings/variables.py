@@ -181,7 +181,7 @@ class KTSettings:
     staging_min_tokens: int | Auto = _unset("KT_STAGING_MIN_TOKENS")  # 0: off
     staging_split: float | Auto = _unset("KT_STAGING_SPLIT")  # a share: the split forced
     staging_fp8_copy: bool | Auto = _unset("KT_STAGING_FP8_COPY")
-    gpu_prefill_gather_ms: float = _unset("KT_GPU_PREFILL_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
+    staging_gather_ms: float = _unset("KT_STAGING_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -211,10 +211,10 @@ class KTSettings:
             )
         if values["expert_placement"] == "frequency" and values["expert_profile"] is None:
             raise KTConfigError("KT_EXPERT_PLACEMENT", "frequency", "KT_EXPERT_PROFILE is unset")
-        gather = (env.get("KT_GPU_PREFILL_GATHER_MS") or "").strip()
-        if values["staging_min_tokens"] == 0 and values["gpu_prefill_gather_ms"] and gather:
+        gather = (_raw(env, "KT_STAGING_GATHER_MS") or "").strip()
+        if values["staging_min_tokens"] == 0 and values["staging_gather_ms"] and gather:
             raise KTConfigError(
-                "KT_GPU_PREFILL_GATHER_MS",
+                "KT_STAGING_GATHER_MS",
                 gather,
                 "KT_STAGING_MIN_TOKENS=0 turns staging off, so no forward streams the whole layer",
                 "0 (or unset) with staging off",

@@ -566,7 +566,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS[,MS]",
         help="also run the first method behind kt-hybrid's scheduler (--scheduler-cls "
         f"{GATHERING_SCHEDULER}: prompts sent together share one forward), as run gather at the plugin's "
-        "KT_GPU_PREFILL_GATHER_MS, or as gather-<MS>ms at each window given",
+        "KT_STAGING_GATHER_MS, or as gather-<MS>ms at each window given",
     )
     parser.add_argument(
         "--kt-env",

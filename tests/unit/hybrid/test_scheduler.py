@@ -97,7 +97,7 @@ def test_vllm_loads_the_class_by_name_and_gets_its_own_scheduler_with_the_gate(
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.settings.loader import load_settings
 
-    env = {"KT_BACKEND": "torch", "KT_STAGING_MIN_TOKENS": "64", "KT_GPU_PREFILL_GATHER_MS": "1000"}
+    env = {"KT_BACKEND": "torch", "KT_STAGING_MIN_TOKENS": "64", "KT_STAGING_GATHER_MS": "1000"}
     monkeypatch.setattr(vllm_config, "quant_config", KTHybridConfig(settings=load_settings(env, cores=4)))
     monkeypatch.setattr(vllm_config.scheduler_config, "async_scheduling", async_scheduling)
     monkeypatch.setattr(vllm_config.scheduler_config, "scheduler_cls", GATHERING_SCHEDULER)
