@@ -169,15 +169,6 @@ def test_deferral_only_into_a_following_hybrid_layer(vllm_layer_context) -> None
     assert [m._deferral() for m in methods] == [1, 0, 0]
 
 
-@pytest.mark.parametrize(
-    "factory_args,reason",
-    [({"activation": "gelu"}, "SiLU-gated experts only"), ({"has_bias": True}, "biases")],
-)
-def test_what_kt_kernel_cannot_do_is_refused(vllm_layer_context, factory_args: dict, reason: str) -> None:
-    with pytest.raises(KTConfigError, match=reason):
-        build_moe(kt_config(), **factory_args)
-
-
 def test_route_to_gpu_slots() -> None:
     placement = ExpertPlacement.from_gpu_expert_ids(6, [0, 2, 5])
     ids = torch.tensor([[0, 1], [2, 5], [3, 4]], dtype=torch.int32)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.cpu_backends.base import ExpertMath
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -583,3 +584,20 @@ def routed_experts_of(layer_name: str) -> RoutedExperts:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import get_layer_from_name
 
     return get_layer_from_name(layer_name).routed_experts  # type: ignore[attr-defined,no-any-return]
+
+
+# --- what the experts compute -----------------------------------------------------------
+
+
+def expert_math(layer: RoutedExperts) -> ExpertMath:
+    """What each expert of ``layer`` computes, from what vLLM 0.32 keeps on the layer and its
+    ``FusedMoEConfig``: ``activation`` (a MoEActivation), ``has_bias``, ``swiglu_limit`` and
+    ``swiglu_alpha`` (gpt-oss, DeepSeek-V4), ``apply_router_weight_on_input`` (Llama 4)."""
+    moe = layer.moe_config
+    return ExpertMath(
+        activation=moe.activation.value,
+        has_bias=bool(moe.has_bias),
+        clamp=layer.swiglu_limit,
+        alpha=layer.swiglu_alpha,
+        router_weight_on_input=bool(layer.apply_router_weight_on_input),
+    )
