@@ -15,13 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_tools.model_check.recipes import RECIPES, Recipe, shrink
-from vllm_kt_tools.support.tiny_models import CHAT_TEMPLATE, write_tokenizer
+from vllm_kt_tools.support.tiny_models import CHAT_TEMPLATE, train, write_tokenizer
 
 # Bump when recipes, shapes or weights change: cached models are keyed by it.
-CHECKPOINT_VERSION = 1
-# transformers' initialisation draws weights with std initializer_range (0.02); at hidden 128
-# that leaves near-uniform logits, so greedy tokens would flip on rounding. This std spreads
-# them (top-two gaps of tenths of a nat) and makes every expert's output count.
+CHECKPOINT_VERSION = 2
+# Random weights leave near-uniform logits (the tiny Qwen3-MoE's greedy steps at -4.2 with
+# three tokens within 0.02: another kernel's rounding picks any of them), so the models are
+# trained briefly on the tiny models' text (``tiny_models.train``), as the end-to-end tests'
+# are: they then predict their prompts' continuations with wide margins.
+TRAIN_STEPS = 200
+# Where transformers' model class cannot train (on this CPU, in this time), random weights
+# with this std instead of initializer_range's 0.02: their logits spread more.
 WEIGHT_STD = 0.1
 _META = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype"}
 
@@ -56,10 +60,7 @@ def _model_class(architecture: str, recipe: Recipe) -> Any:
 
 def _randomize(model: Any, seed: int) -> None:
     """Redraw every weight matrix with std WEIGHT_STD (norms, biases and special
-    parameters keep transformers' initialisation). The routers' correction biases get
-    random values and are made persistent, so that ``save_pretrained`` writes them under
-    the checkpoint's own names (transformers keeps them as unsaved buffers; vLLM loads
-    them)."""
+    parameters keep transformers' initialisation)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -67,6 +68,16 @@ def _randomize(model: Any, seed: int) -> None:
         for name, param in model.named_parameters():
             if param.dim() >= 2 and "norm" not in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * WEIGHT_STD)
+
+
+def _router_biases(model: Any, seed: int) -> None:
+    """The routers' correction biases get random values and are made persistent, so that
+    ``save_pretrained`` writes them under the checkpoint's own names (transformers keeps
+    them as unsaved buffers; vLLM loads them)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if name.endswith("e_score_correction_bias"):
@@ -79,26 +90,54 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     import torch
 
     recipe = RECIPES[architecture]
+    torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy machine
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tokenizer(out)
     config = build_config(architecture, recipe, vocab_size)
     torch.manual_seed(seed)
     model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
+    _router_biases(model, seed)
+    weights = f"trained {TRAIN_STEPS} steps"
+    try:
+        loss = train(model, tokenizer_of(out), TRAIN_STEPS, seed, batch=8, window=32)
+        weights += f", loss {loss:.2f}"
+    except Exception as error:  # noqa: BLE001 - transformers' class cannot train here: random weights
+        torch.manual_seed(seed)
+        model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
+        _router_biases(model, seed)
+        _randomize(model, seed)
+        weights = f"random, std {WEIGHT_STD} (training failed: {type(error).__name__}: {str(error)[:200]})"
     model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.config.architectures = [architecture]
     model.save_pretrained(out, safe_serialization=True)
+    if recipe.config_json:
+        written = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**written, **recipe.config_json}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 4, "do_sample": False}))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (out / "MODEL_CHECK.json").write_text(json.dumps({"architecture": architecture, "version": CHECKPOINT_VERSION}))
+    (out / "MODEL_CHECK.json").write_text(
+        json.dumps({"architecture": architecture, "version": CHECKPOINT_VERSION, "weights": weights})
+    )
     return out
+
+
+def tokenizer_of(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def weights_of(model_dir: Path) -> str:
+    """How the checkpoint's weights were made (MODEL_CHECK.json)."""
+    return str(json.loads((model_dir / "MODEL_CHECK.json").read_text()).get("weights", ""))
 
 
 def checkpoint_dir(architecture: str, root: str | Path) -> Path:
     """``root/<architecture>-<hash of its recipe and CHECKPOINT_VERSION>``, written on first use."""
-    key = hashlib.sha256(f"{CHECKPOINT_VERSION} {WEIGHT_STD} {RECIPES[architecture]!r}".encode()).hexdigest()[:10]
+    made = f"{CHECKPOINT_VERSION} {WEIGHT_STD} {TRAIN_STEPS} {RECIPES[architecture]!r}"
+    key = hashlib.sha256(made.encode()).hexdigest()[:10]
     out = Path(root) / f"{architecture}-{key}"
     if not (out / "MODEL_CHECK.json").exists():
         write_checkpoint(architecture, out)

@@ -7,9 +7,10 @@ a reference continuation of every prompt (teacher forcing: vLLM's prompt logprob
 kt-hybrid plain vLLM's. An answer is ``{"ids", "top2", "top2_ids", "forced_ids", "forced"}``.
 
 Plain vLLM runs in one child process (plugin not loaded: ``VLLM_PLUGINS=""``) with the
-engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its dtypes share one
-start-up; kt-hybrid through the real ``vllm serve`` and the OpenAI client. Both run eager
-(``--enforce-eager``): nothing is compiled per architecture, on both sides alike.
+engines in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its dtypes share one
+start-up, and kt-hybrid's float32 run (the torch backend) follows there once the plugin is
+registered; kt-hybrid in bf16 runs through the real ``vllm serve`` and the OpenAI client.
+All run eager (``--enforce-eager``): nothing is compiled per architecture, on both sides.
 """
 
 from __future__ import annotations
@@ -35,50 +36,79 @@ def _steps(top: Sequence[Mapping[int, float]]) -> tuple[list[list[float]], list[
     return [[lp for _, lp in step] for step in ranked], [[t for t, _ in step] for step in ranked]
 
 
-def plain_answers(
-    model: str, prompts: list[list[int]], max_tokens: int, dtypes: list[str], references: dict[str, list] | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Plain vLLM's answers per dtype (runs in the child process: ``plain``)."""
+def _engine_answers(
+    model: str, prompts: list[list[int]], max_tokens: int, dtype: str, reference: list[list[int]] | None, **llm: Any
+) -> list[dict[str, Any]]:
+    """One in-process engine's answers, each reference continuation (default: its own)
+    scored by the same engine."""
     from vllm import LLM, SamplingParams  # deferred: the child process only
     from vllm.inputs import TokensPrompt
 
-    from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
     from vllm_kt_tools.support.engine_lock import stop_engine
 
-    ask_for_amx_tiles()  # the engine runs in this process; eager vLLM does not ask (AMX CPUs die of SIGILL)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    answers = {}
-    for dtype in dtypes:
-        engine = LLM(model=model, dtype=dtype, **ENGINE_ARGS)
-        results = []
-        for prompt in prompts:
-            (output,) = engine.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            completion = output.outputs[0]
-            top = [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
-            top2, top2_ids = _steps(top)
-            results.append({"ids": list(completion.token_ids), "top2": top2, "top2_ids": top2_ids})
-        continuations = (references or {}).get(dtype) or [r["ids"] for r in results]
-        for prompt, result, continuation in zip(prompts, results, continuations, strict=True):
-            forced = TokensPrompt(prompt_token_ids=prompt + continuation)
-            (output,) = engine.generate([forced], scoring, use_tqdm=False)
-            scored = output.prompt_logprobs[len(prompt) :]
-            result["forced_ids"] = list(continuation)
-            result["forced"] = [step[t].logprob for step, t in zip(scored, continuation, strict=True)]
-        answers[dtype] = results
-        stop_engine(engine)
-        del engine
+    engine = LLM(model=model, dtype=dtype, **ENGINE_ARGS, **llm)
+    results = []
+    for prompt in prompts:
+        (output,) = engine.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        completion = output.outputs[0]
+        top = [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+        top2, top2_ids = _steps(top)
+        results.append({"ids": list(completion.token_ids), "top2": top2, "top2_ids": top2_ids})
+    continuations = reference or [r["ids"] for r in results]
+    for prompt, result, continuation in zip(prompts, results, continuations, strict=True):
+        (output,) = engine.generate([TokensPrompt(prompt_token_ids=prompt + continuation)], scoring, use_tqdm=False)
+        scored = output.prompt_logprobs[len(prompt) :]
+        result["forced_ids"] = list(continuation)
+        result["forced"] = [step[t].logprob for step, t in zip(scored, continuation, strict=True)]
+    stop_engine(engine)
+    return results
+
+
+def in_process_answers(
+    model: str, prompts: list[list[int]], max_tokens: int, dtypes: list[str], kt_float32: dict[str, str] | None
+) -> dict[str, Any]:
+    """Runs in the child process (``in_process``): plain vLLM's answers per dtype, its
+    plugin not loaded (``VLLM_PLUGINS=""``); then, with ``kt_float32`` (KT_* settings), the
+    plugin registered and kt-hybrid's float32 answers scoring plain vLLM's float32 tokens
+    (an error there is returned, not raised: plain vLLM's answers stand)."""
+    from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
+
+    ask_for_amx_tiles()  # the engine runs in this process; eager vLLM does not ask (AMX CPUs die of SIGILL)
+    answers: dict[str, Any] = {dtype: _engine_answers(model, prompts, max_tokens, dtype, None) for dtype in dtypes}
+    if kt_float32 is not None:
+        import vllm_kt_plugin
+
+        os.environ.update(kt_float32)
+        vllm_kt_plugin.register()  # what vLLM's plugin loader would have called
+        reference = [r["ids"] for r in answers["float32"]]
+        try:
+            answers["kt_float32"] = _engine_answers(
+                model, prompts, max_tokens, "float32", reference, quantization="kt-hybrid"
+            )
+        except Exception as error:  # noqa: BLE001 - reported with the log's tail by the caller
+            answers["kt_float32_error"] = f"{type(error).__name__}: {error}"[:2000]
     return answers
 
 
-def plain(model: Path, prompts: list[list[int]], max_tokens: int, dtypes: list[str], log_path: Path) -> dict:
-    """``plain_answers`` in a child process; RuntimeError with the log's tail if it fails."""
-    env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env = {k: v for k, v in env.items() if not k.startswith("KT_")}
+def in_process(
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtypes: list[str],
+    kt_float32: dict[str, str] | None,
+    log_path: Path,
+) -> dict:
+    """``in_process_answers`` in a child process whose engines run in it
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one start-up for all of them); EngineFailed with
+    the log's tail where plain vLLM fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
+    env.update({"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = run_child(
-        "vllm_kt_tools.model_check.engines:plain_answers",
-        {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "dtypes": dtypes},
+        "vllm_kt_tools.model_check.engines:in_process_answers",
+        {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "dtypes": dtypes, "kt_float32": kt_float32},
         env=env,
         timeout_s=ENGINE_TIMEOUT_S,
         log_path=log_path,

@@ -76,6 +76,9 @@ class Recipe:
     # "hf": random weights from transformers' model class; "vllm": random weights written
     # in the tensor names vLLM's own loader reads (no transformers model class)
     weights: str = "hf"
+    # keys added to the written config.json: what vLLM reads of the architecture's released
+    # config where transformers' class keeps it under other names
+    config_json: Mapping[str, Any] = field(default_factory=dict)
     float32: bool = True  # plain vLLM runs this model in float32 (False: the measured reason is in notes)
     notes: str = ""
 
@@ -175,7 +178,12 @@ RECIPES: dict[str, Recipe] = {
     ),
     "HYV3ForCausalLM": Recipe(
         "hy_v3",
-        {"mlp_layer_types": ["dense", "sparse", "sparse"], "first_k_dense_replace": 1, "expert_hidden_dim": 64},
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "first_k_dense_replace": 1,
+            "expert_hidden_dim": 64,
+            "route_norm": True,
+        },
         layers=3,
     ),
     "HunYuanMoEV1ForCausalLM": Recipe("hunyuan_v1_moe", {"head_dim": 32, "intermediate_size": 64}),
@@ -281,7 +289,7 @@ RECIPES: dict[str, Recipe] = {
             "moe_layers": [0, 1],
             "no_rope_layers": [1, 0],
             "layer_types": ["chunked_attention", "full_attention"],
-            "attention_chunk_size": 64,
+            "attention_chunk_size": 128,  # vLLM's chunked local attention: a multiple of its block size
         },
     ),
     "MellumForCausalLM": Recipe(
@@ -317,20 +325,22 @@ RECIPES: dict[str, Recipe] = {
     "DeepseekV4ForCausalLM": Recipe(
         "deepseek_v4",
         {
-            "head_dim": 64,
+            "head_dim": 512,
+            "num_key_value_heads": 1,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 64,
             "o_groups": 2,
             "o_lora_rank": 64,
             "index_n_heads": 2,
-            "index_head_dim": 32,
-            "index_topk": 32,
-            "layer_types": [
-                "heavily_compressed_attention",
-                "compressed_sparse_attention",
-                "compressed_sparse_attention",
-            ],
-            "mlp_layer_types": ["hash_moe", "moe", "moe"],
+            "index_head_dim": 64,
+            "index_topk": 16,
+            "compress_ratios": [0, 4, 128],
+            "num_hash_layers": 1,
+            "layer_types": None,
+            "mlp_layer_types": None,
         },
         layers=3,
+        config_json={"compress_ratios": [0, 4, 128], "num_hash_layers": 1, "expert_dtype": "bf16"},
     ),
     "Glm5NextForConditionalGeneration": Recipe(
         "glm5_next",
@@ -349,4 +359,27 @@ RECIPES: dict[str, Recipe] = {
         },
         layers=3,
     ),
+}
+
+
+# Drafts and multimodal wrappers that take a served architecture's row: their module imports
+# the base's module and builds its decoder layers (so its MoE layer class) on the base's
+# config (tests/unit/test_supported_models.py checks the import; the row is taken only while
+# the base is served).
+_MTP = "an MTP draft built of the base's decoder layers"
+_EAGLE = "an EAGLE draft built of the base's decoder layers"
+_TEXT = "a multimodal wrapper whose text model is the base's"
+TAKES_ROW_OF: dict[str, tuple[str, str]] = {
+    "DeepSeekMTPModel": ("DeepseekV3ForCausalLM", _MTP),
+    "EagleDeepSeekMTPModel": ("DeepseekV3ForCausalLM", _EAGLE),
+    "Eagle3DeepseekV2ForCausalLM": ("DeepseekV2ForCausalLM", _EAGLE),
+    "Eagle3DeepseekV3ForCausalLM": ("DeepseekV3ForCausalLM", _EAGLE),
+    "Glm4MoeMTPModel": ("Glm4MoeForCausalLM", _MTP),
+    "ExaoneMoeMTP": ("ExaoneMoeForCausalLM", _MTP),
+    "HYV3MTPModel": ("HYV3ForCausalLM", _MTP),
+    "Gemma4MTPModel": ("Gemma4ForCausalLM", _MTP),
+    "Qwen3NextMTP": ("Qwen3NextForCausalLM", _MTP),
+    "EagleLlama4ForCausalLM": ("Llama4ForCausalLM", _EAGLE),
+    "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", _TEXT),
+    "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
 }

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_tools.model_check import compare, engines
-from vllm_kt_tools.model_check.checkpoint import checkpoint_dir
+from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
 from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES
 from vllm_kt_tools.support.tiny_models import chat_prompt, training_text
 
@@ -62,12 +62,30 @@ def prompt_ids(model: Path) -> list[list[int]]:
     return ids + [tokenizer(training_text())["input_ids"][:LONG_PROMPT_TOKENS]]
 
 
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]: |\(\w+ pid=\d+\) )?(\w+(?:\.\w+)*(?:Error|Exception)\b.*)$")
+
+
+_FRAME = re.compile(r'File ".*?/site-packages/(\S+?)", line (\d+)')
+
+
 def last_error_line(log: str) -> str:
-    """The line that says why an engine failed: the last exception line of its log."""
+    """Why an engine failed: the last exception line of its log (an assertion with no
+    message: with the assert statement before it)."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"^\S*(Error|Exception)\b|^\(.*\) \S*(Error|Exception):", line)]
-    errors += [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
-    return (errors or lines or ["(no log)"])[-1][:600]
+    for index in range(len(lines) - 1, -1, -1):
+        match = _EXCEPTION.match(lines[index])
+        if match:
+            error = match.group(1)
+            context = [line.split(": ", 1)[-1].strip() for line in lines[max(0, index - 3) : index]]
+            statement = next((c for c in reversed(context) if c.startswith("assert ")), None)
+            if error == "AssertionError" and statement:
+                error += f" ({statement})"
+            if "ValidationError" in error and index + 1 < len(lines):
+                error += f": {lines[index + 1]}"  # pydantic puts the reason on the next line
+            frames = [m for line in lines[:index] if (m := _FRAME.search(line))]
+            where = f" ({frames[-1].group(1)}:{frames[-1].group(2)})" if frames else ""
+            return (error + where)[:600]
+    return (lines or ["(no log)"])[-1][:600]
 
 
 def _comparison(got: list, want: list, bound: float, exact: bool, log: str) -> dict[str, Any]:
@@ -103,6 +121,14 @@ def check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     return result
 
 
+def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
+    """A kt-hybrid engine that did not answer: refused at config time (its one line), or failed."""
+    refusal = _CONFIG_ERROR.search(log)
+    if refusal is not None:
+        return {"status": REFUSED, "reason": refusal.group(1)[:600]}
+    return {"status": FAILED, "reason": f"kt-hybrid {dtype}: {last_error_line(log)}"}
+
+
 def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     recipe = RECIPES.get(architecture)
     if recipe is None:
@@ -110,25 +136,27 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     model = checkpoint_dir(architecture, models)
     prompts = prompt_ids(model)
     dtypes = ["bfloat16", "float32"] if recipe.float32 else ["bfloat16"]
-    out: dict[str, Any] = {"float32": None if recipe.float32 else recipe.notes}
+    out: dict[str, Any] = {"weights": weights_of(model), "float32": None if recipe.float32 else recipe.notes}
+    kt_float32 = {**HALF_ON_CPU, "KT_BACKEND": "torch"} if recipe.float32 else None
+    plain_log = logs / f"{architecture}-plain.log"
     try:
-        plain = engines.plain(model, prompts, MAX_TOKENS, dtypes, logs / f"{architecture}-plain.log")
+        plain = engines.in_process(model, prompts, MAX_TOKENS, dtypes, kt_float32, plain_log)
     except engines.EngineFailed as failed:
         return {**out, "status": CANNOT_CHECK, "reason": f"plain vLLM fails here: {last_error_line(failed.log)}"}
-    runs = {"bfloat16": ({}, BF16_DRIFT_BOUND, False)}
-    if recipe.float32:
-        runs["float32"] = ({"KT_BACKEND": "torch"}, compare.FLOAT32_DRIFT_BOUND, True)
     checks = {}
-    for dtype, (kt, bound, exact) in runs.items():
-        log = logs / f"{architecture}-kt-{dtype}.log"
-        try:
-            got = engines.served(model, prompts, MAX_TOKENS, dtype, {**HALF_ON_CPU, **kt}, plain[dtype], log)
-        except engines.EngineFailed as failed:
-            refusal = _CONFIG_ERROR.search(failed.log)
-            if refusal is not None:
-                return {**out, "status": REFUSED, "reason": refusal.group(1)[:600]}
-            return {**out, "status": FAILED, "reason": f"kt-hybrid {dtype}: {last_error_line(failed.log)}"}
-        checks[dtype] = _comparison(got, plain[dtype], bound, exact, log.read_text(errors="replace"))
+    log = logs / f"{architecture}-kt-bfloat16.log"
+    try:
+        got = engines.served(model, prompts, MAX_TOKENS, "bfloat16", HALF_ON_CPU, plain["bfloat16"], log)
+    except engines.EngineFailed as failed:
+        return {**out, **_engine_failure("bfloat16", failed.log)}
+    checks["bfloat16"] = _comparison(got, plain["bfloat16"], BF16_DRIFT_BOUND, False, log.read_text(errors="replace"))
+    if recipe.float32:
+        if "kt_float32" not in plain:
+            return {**out, "checks": checks, **_engine_failure("float32", plain_log.read_text(errors="replace"))}
+        float32_log = plain_log.read_text(errors="replace")
+        checks["float32"] = _comparison(
+            plain["kt_float32"], plain["float32"], compare.FLOAT32_DRIFT_BOUND, True, float32_log
+        )
     problems = [f"{dtype}: {c['problem']}" for dtype, c in checks.items() if c["problem"]]
     status = FAILED if problems else SERVED
     return {**out, "status": status, "reason": "; ".join(problems) or None, "checks": checks}
