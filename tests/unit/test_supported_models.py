@@ -80,6 +80,10 @@ def test_json_written_by_the_tool_round_trips(tmp_path: Path) -> None:
     assert results["MixtralForCausalLM"]["reason"] == "y" and results["MixtralForCausalLM"]["run"] == "b.json"
 
 
+def test_the_end_to_end_tests_run_the_models_the_table_names() -> None:
+    assert {model for model, _ in supported_models.bf16_runs()} == set(supported_models.E2E_MODELS.values())
+
+
 def test_every_recipe_is_a_registry_moe_architecture() -> None:
     assert set(RECIPES) <= set(supported_models.moe_architectures())
 

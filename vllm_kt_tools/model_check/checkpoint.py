@@ -18,7 +18,7 @@ from vllm_kt_tools.model_check.recipes import RECIPES, Recipe, shrink
 from vllm_kt_tools.support.tiny_models import CHAT_TEMPLATE, train, write_tokenizer
 
 # Bump when recipes, shapes or weights change: cached models are keyed by it.
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
 # Random weights leave near-uniform logits (the tiny Qwen3-MoE's greedy steps at -4.2 with
 # three tokens within 0.02: another kernel's rounding picks any of them), so the models are
 # trained briefly on the tiny models' text (``tiny_models.train``), as the end-to-end tests'

@@ -104,6 +104,11 @@ def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
         out["n_group"], out["topk_group"] = 2, 1
     if out.get("first_k_dense_replace"):
         out["first_k_dense_replace"] = 1
+    if out.get("kv_lora_rank") and out.get("qk_rope_head_dim") is not None:  # MLA: derived widths follow
+        if "qk_head_dim" in out:
+            out["qk_head_dim"] = out.get("qk_nope_head_dim", 0) + out["qk_rope_head_dim"]
+        if "head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]
     return out
 
 
@@ -350,12 +355,62 @@ RECIPES: dict[str, Recipe] = {
             "indexer_types": ["full", "full", "full"],
             "linear_head_dim": 32,
             "linear_num_heads": 4,
-            "index_head_dim": 32,
+            "index_head_dim": 128,
             "index_n_heads": 2,
             "index_topk": 32,
             "qk_nope_head_dim": 64,
             "v_head_dim": 64,
+            "qk_rope_head_dim": 0,
             "qk_head_dim": 64,
+        },
+        layers=3,
+    ),
+    # GLM-5 (DeepSeek-V3.2's sparse attention with GLM's MoE)
+    "GlmMoeDsaForCausalLM": Recipe(
+        "glm_moe_dsa",
+        {"index_head_dim": 128, "index_n_heads": 2, "index_topk": 16, "n_group": 1, "topk_group": 1},
+        layers=3,
+    ),
+    "Glm4MoeLiteForCausalLM": Recipe(
+        "glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1}, layers=3
+    ),
+    "DeepseekV32ForCausalLM": Recipe(
+        "deepseek_v32",
+        {
+            "index_head_dim": 128,
+            "index_n_heads": 2,
+            "index_topk": 16,
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "topk_method": "noaux_tc",
+        },
+        layers=3,
+    ),
+    "KimiLinearForCausalLM": Recipe(
+        "kimi_linear",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_head_dim": 64,
+            "linear_num_heads": 2,
+            "num_expert_group": 1,
+        },
+        layers=3,
+    ),
+    "LongcatFlashForCausalLM": Recipe(
+        "longcat_flash", {"zero_expert_num": 4, "ffn_hidden_size": 256, "expert_ffn_hidden_size": 64}
+    ),
+    "AXK1ForCausalLM": Recipe("axk1", {"n_group": 2, "topk_group": 1}, layers=3),
+    "HYV4ForCausalLM": Recipe(
+        "hy_v4",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["indexed_attention"] * 3,
+            "indexer_types": ["full", "full", "shared"],
+            "index_head_dim": 128,
+            "index_n_heads": 2,
+            "index_topk": 16,
+            "n_group": 1,
+            "topk_group": 1,
         },
         layers=3,
     ),

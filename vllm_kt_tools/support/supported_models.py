@@ -234,10 +234,14 @@ def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
     results = load_results() if results is None else results
     architectures = moe_architectures()
     table = {arch: _row(arch, module, results.get(arch)) for arch, module in architectures.items()}
-    for arch, (base, why) in TAKES_ROW_OF.items():
-        if arch in table and table[arch].status == NOT_CHECKED and base in table:
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    same_class = {arch: b for arch in table for b in table if b != arch and _VLLM_MODELS[b] == _VLLM_MODELS[arch]}
+    takes = {**{a: (b, "the same class under another registry name") for a, b in same_class.items()}, **TAKES_ROW_OF}
+    for arch, (base, why) in takes.items():
+        if arch in table and table[arch].status == NOT_CHECKED and table.get(base, table[arch]).status == SERVED:
             taken = table[base]
-            table[arch] = Row(arch, architectures[arch], taken.status, taken.backend, f"as `{base}` ({why})")
+            table[arch] = Row(arch, architectures[arch], SERVED, taken.backend, f"as `{base}` ({why})")
     return list(table.values())
 
 
@@ -295,7 +299,14 @@ def docs_page() -> str:
 
     all_rows = rows()
     n = counts(all_rows)
-    runs = sorted(p.name for p in RESULTS.glob("*.json"))
+    runs = []
+    for path in sorted(RESULTS.glob("*.json")):
+        run = json.loads(path.read_text())
+        where = run.get("machine", {})
+        runs.append(
+            f"`{path.name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
+            f"({where.get('cores')} cores, kt-kernel {where.get('kt_kernel_variant')}, started {run.get('started')})"
+        )
     return "\n".join(
         [
             "# Supported models",
@@ -324,7 +335,7 @@ def docs_page() -> str:
             "(per architecture: the tokens compared, the drift, the backend, the time taken); this page is generated "
             "from the committed JSON by `python -m vllm_kt_tools.support.supported_models`, and "
             "`tests/unit/test_supported_models.py` fails when the two disagree. "
-            f"Runs: {', '.join(f'`{r}`' for r in runs) or 'none yet'}.",
+            f"Runs: {'; '.join(runs) or 'none yet'}.",
             "",
             *_table(all_rows),
             "",
