@@ -112,6 +112,10 @@ def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
     return out
 
 
+# Measured on vLLM 0.32's CPU build (../shared/FACTS.md): its gated-delta-net attention kernel
+# refuses float32 ("CPU GDN attention requires BF16").
+_GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
+
 # Architecture (registry name) -> its recipe. Overrides say why where not obvious.
 RECIPES: dict[str, Recipe] = {
     "Qwen3MoeForCausalLM": Recipe("qwen3_moe", {"norm_topk_prob": True}),
@@ -168,6 +172,7 @@ RECIPES: dict[str, Recipe] = {
             "linear_num_value_heads": 4,
         },
         float32=False,
+        notes=_GDN_BF16,
     ),
     "Qwen3_5MoeForCausalLM": Recipe(
         "qwen3_5_moe_text",
@@ -180,6 +185,7 @@ RECIPES: dict[str, Recipe] = {
             "linear_num_value_heads": 4,
         },
         float32=False,
+        notes=_GDN_BF16,
     ),
     "HYV3ForCausalLM": Recipe(
         "hy_v3",
@@ -372,7 +378,9 @@ RECIPES: dict[str, Recipe] = {
         layers=3,
     ),
     "Glm4MoeLiteForCausalLM": Recipe(
-        "glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1}, layers=3
+        "glm4_moe_lite",
+        {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
+        layers=3,
     ),
     "DeepseekV32ForCausalLM": Recipe(
         "deepseek_v32",

@@ -72,6 +72,9 @@ def last_error_line(log: str) -> str:
     """Why an engine failed: the last exception line of its log (an assertion with no
     message: with the assert statement before it)."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
+    missing = [line for line in lines if "ModuleNotFoundError: " in line]
+    if missing and "failed to be inspected" in log:  # vLLM inspects the model class in a subprocess
+        return f"importing the model class: {missing[-1].split('ModuleNotFoundError: ', 1)[1]}"[:600]
     for index in range(len(lines) - 1, -1, -1):
         match = _EXCEPTION.match(lines[index])
         if match:
