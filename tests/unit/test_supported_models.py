@@ -48,8 +48,9 @@ def test_the_committed_runs_hold_what_the_table_shows() -> None:
     known = supported_models.moe_architectures()
     assert set(results) <= set(known), sorted(set(results) - set(known))
     for arch, result in results.items():
-        assert result["status"] in ("served", "refused at config time", "cannot be checked here", "failed"), arch
-        assert result["seconds"] > 0 and (result["reason"] or result["status"] == "served"), arch
+        statuses = ("served", "refused at config time", "cannot be checked here", "failed", "no recipe")
+        assert result["status"] in statuses, arch
+        assert result["seconds"] >= 0 and (result["reason"] or result["status"] == "served"), arch
         if result["status"] == "served":
             bf16 = result["checks"]["bfloat16"]
             assert bf16["problem"] is None and bf16["drift"] <= bf16["bound"] and bf16["tokens_compared"] > 0, arch

@@ -124,6 +124,22 @@ def check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     return result
 
 
+def import_failure(architecture: str) -> str | None:
+    """Why vLLM's registry cannot import this architecture's model class on this build
+    (e.g. a module that imports torchvision, or one with GPU-only implementations), or None."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    module, cls = _VLLM_MODELS[architecture]
+    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    try:
+        getattr(importlib.import_module(name), cls)
+    except Exception as error:  # noqa: BLE001 - whatever stops the import is the reason
+        return f"{type(error).__name__}: {error}"[:400]
+    return None
+
+
 def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
     """A kt-hybrid engine that did not answer: refused at config time (its one line), or failed."""
     refusal = _CONFIG_ERROR.search(log)
@@ -135,7 +151,10 @@ def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
 def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     recipe = RECIPES.get(architecture)
     if recipe is None:
-        return {"status": NO_RECIPE}
+        failure = import_failure(architecture)
+        if failure is not None:
+            return {"status": CANNOT_CHECK, "reason": f"vLLM's model class does not import here: {failure}"}
+        return {"status": NO_RECIPE, "reason": "no tiny model of it yet (model_check/recipes.py)"}
     model = checkpoint_dir(architecture, models)
     prompts = prompt_ids(model)
     dtypes = ["bfloat16", "float32"] if recipe.float32 else ["bfloat16"]
