@@ -299,9 +299,10 @@ def docs_page() -> str:
 
     all_rows = rows()
     n = counts(all_rows)
-    runs = []
+    runs, total_s = [], 0.0
     for path in sorted(RESULTS.glob("*.json")):
         run = json.loads(path.read_text())
+        total_s += run["seconds"]
         where = run.get("machine", {})
         runs.append(
             f"`{path.name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
@@ -335,7 +336,7 @@ def docs_page() -> str:
             "(per architecture: the tokens compared, the drift, the backend, the time taken); this page is generated "
             "from the committed JSON by `python -m vllm_kt_tools.support.supported_models`, and "
             "`tests/unit/test_supported_models.py` fails when the two disagree. "
-            f"Runs: {'; '.join(runs) or 'none yet'}.",
+            f"Runs: {'; '.join(runs) or 'none yet'}. Together (the full run's duration): {total_s / 60:.0f} min.",
             "",
             *_table(all_rows),
             "",
