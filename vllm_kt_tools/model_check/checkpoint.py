@@ -114,7 +114,8 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     model.save_pretrained(out, safe_serialization=True)
     if recipe.config_json:
         written = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**written, **recipe.config_json}, indent=2))
+        merged = {**written, **recipe.config_json}
+        (out / "config.json").write_text(json.dumps({k: v for k, v in merged.items() if v is not None}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 4, "do_sample": False}))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "MODEL_CHECK.json").write_text(

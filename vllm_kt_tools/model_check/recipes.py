@@ -76,8 +76,8 @@ class Recipe:
     # "hf": random weights from transformers' model class; "vllm": random weights written
     # in the tensor names vLLM's own loader reads (no transformers model class)
     weights: str = "hf"
-    # keys added to the written config.json: what vLLM reads of the architecture's released
-    # config where transformers' class keeps it under other names
+    # keys added to the written config.json (None: removed): what vLLM reads of the
+    # architecture's released config where transformers' class keeps it under other names
     config_json: Mapping[str, Any] = field(default_factory=dict)
     float32: bool = True  # plain vLLM runs this model in float32 (False: the measured reason is in notes)
     notes: str = ""
@@ -351,7 +351,15 @@ RECIPES: dict[str, Recipe] = {
             "mlp_layer_types": None,
         },
         layers=3,
-        config_json={"compress_ratios": [0, 4, 128], "num_hash_layers": 1, "expert_dtype": "bf16"},
+        # as the released config.json: vLLM's config class (on transformers' base, whose
+        # validator takes only sparse/dense MLP layer types) reads these, not transformers' lists
+        config_json={
+            "compress_ratios": [0, 4, 128],
+            "num_hash_layers": 1,
+            "expert_dtype": "bf16",
+            "mlp_layer_types": None,
+            "layer_types": None,
+        },
     ),
     "Glm5NextForConditionalGeneration": Recipe(
         "glm5_next",

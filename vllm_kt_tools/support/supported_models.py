@@ -218,7 +218,11 @@ def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
         reused = reused_moe_modules(module)
         detail = f"reuses the MoE layers of {', '.join(f'`{m}`' for m in reused)}" if reused else ""
         return Row(arch, module, NOT_CHECKED, "", detail)
+    from vllm_kt_tools.model_check.run import plain_failure_status
+
     status = _STATUS[result["status"]]
+    if status == CANNOT_CHECK and plain_failure_status(str(result.get("reason"))) != result["status"]:
+        status = NOT_CHECKED  # plain vLLM rejected the tiny model: the recipe is wrong, not this build
     bf16 = (result.get("checks") or {}).get("bfloat16") or {}
     backend = (bf16.get("backend") or "").split(" ")[0] if status == SERVED else ""
     detail = _measured(result) if status == SERVED else str(result.get("reason") or "")
