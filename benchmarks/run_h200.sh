@@ -64,6 +64,9 @@ set -uo pipefail
 BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 STAGES=${STAGES:-"layer gpu-tests restart-test bench load fp8-bench"}
 mkdir -p "$BENCH_OUT"
+# Everything this sitting starts inherits its tag: benchmarks/sittings/stop.sh stops it all by the tag
+export VLLM_KT_SITTING=${VLLM_KT_SITTING:-sitting-$(date +%s)-$$}
+echo "$VLLM_KT_SITTING" > "$BENCH_OUT/sitting.tag"
 [ -f /root/gpusite/env.sh ] && source /root/gpusite/env.sh
 # Ray, for the several-hosts test, installed apart (see benchmarks/ray-bundle.sh)
 [ -d /root/raysite ] && export PYTHONPATH=/root/raysite:$PYTHONPATH PATH=/root/raysite/bin:$PATH
@@ -226,7 +229,7 @@ run_server_engine() {  # kt-hybrid and sglang-kt through their servers: the head
   fi
   # SERVER_LOAD=N:C: then the load against each server measured; SERVER_ENGINE_ARGS: e.g. --append
   # shellcheck disable=SC2086 - SERVER_ENGINE_ARGS is a list of arguments
-  "${BENCH[@]}" --methods AMXINT4 --systems "$systems" --server-engine \
+  "${BENCH[@]}" --methods "${METHODS:-AMXINT4}" --systems "$systems" --server-engine \
       "${SGLANG[@]}" "${SWEEP[@]}" ${SERVER_LOAD:+--load $SERVER_LOAD} ${SERVER_ENGINE_ARGS:-} \
       --out "$BENCH_OUT/${SERVER_ENGINE_JSON:-h200_server_engine_qwen3_30b_a3b.json}" >> "$BENCH_OUT/server-engine.log" 2>&1
 }

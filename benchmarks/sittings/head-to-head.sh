@@ -14,7 +14,8 @@
 #   1. AMXINT4 experts, quantized once without the GPU (kt-hybrid's cache; sglang-kt reads them too)
 #   2. kt-hybrid behind `vllm serve`: decode at batch 1 and 16 (5 repeats each), 8 x 1,024, one 1,024
 #      alone (time to first token), one 16K prompt, with the per-forward timeline; then the load,
-#      1,000 requests at concurrency 64, against the same server
+#      1,000 requests at concurrency 64, against the same server; then all of it again behind
+#      kt-hybrid's scheduler (--gather-check: 8 prompts sent together in one forward, issue 45)
 #   3. the FP8 host copy's accuracy beside the CPU methods' (GPU tests, tiny models), while
 #      sglang-kt's package set is installed (nothing is timed meanwhile)
 #   4. sglang-kt behind its own server, the same workload and load: KTransformers' documented
@@ -34,6 +35,9 @@ export BENCH_OUT=${BENCH_OUT:-/root/bench-out}
 export METHODS=AMXINT4
 export SGLANG_PYTHON=${SGLANG_PYTHON:-/root/sglsite/python}
 mkdir -p "$BENCH_OUT"
+# Everything this sitting starts inherits its tag: benchmarks/sittings/stop.sh stops it all by the tag
+export VLLM_KT_SITTING=${VLLM_KT_SITTING:-sitting-$(date +%s)-$$}
+echo "$VLLM_KT_SITTING" > "$BENCH_OUT/sitting.tag"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')  # H100 80GB HBM3 -> h100
 SERVER_JSON=${card:-gpu}_h2h_server_qwen3_30b_a3b.json
 ENGINE_JSON=${card:-gpu}_h2h_engine_qwen3_30b_a3b.json
@@ -55,7 +59,7 @@ leftovers() {
 }
 
 # H2H_FROM=N resumes a sitting from stage N on a host that kept what the earlier ones made
-# (after benchmarks/sittings/stop.sh: run that from a call whose command names no sitting script)
+# (after benchmarks/sittings/stop.sh, which stops the sitting by its tag)
 from() { [ "${H2H_FROM:-1}" -le "$1" ]; }
 
 if from 1; then
@@ -67,7 +71,8 @@ fi
 from 2 && {
 stage "2 kt-hybrid behind vllm serve: decode, prefills, timeline, load"
 KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=${H2H_LOAD:-1000:64} \
-  SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384" SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
+  SERVER_ENGINE_ARGS="--max-num-batched-tokens 16384 --gather-check" SERVER_ENGINE_JSON=$SERVER_JSON \
+  bash benchmarks/run_h200.sh
 leftovers kt-hybrid
 # The FP8 host copy (on by default for AMXINT4 on this GPU) has never served on a GPU before this
 # sitting: where kt-hybrid's server failed, it runs again with the exact copy (its env says so).

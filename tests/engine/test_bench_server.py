@@ -32,6 +32,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     argv += ["--kt-env", "KT_NUM_GPU_EXPERTS=4"]  # half of the 8 on kt-kernel (0.05 GiB would hold them all)
     argv += [
         "--server-engine",
+        "--decode-timeline",
         "--decode-tokens",
         "8",
         "--decode-repeats",
@@ -47,6 +48,7 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
     assert "error" not in run, run["error"]
     assert run["system"] == "kt-hybrid" and run["method"] == "BF16" and run["via"] == "server"
     assert all(run[figure] and run[figure] > 0 for figure in FIGURES), run
+    assert 0 < run["prefill_ttft_mean_s"] <= run["prefill_ttft_max_s"], run  # the 8 prompts' first tokens
     assert "gpu_weight_gb" in run, run  # read off vllm serve's log where it says (its CPU build does not)
     assert run["prefill_long_prompt_tokens"] == section["workload"]["max_model_len"] - 2  # the tiny model's 512
     assert json.loads(out.read_text())["server_engine"] == json.loads(json.dumps(section))
@@ -78,3 +80,10 @@ def test_server_engine_measures_kt_hybrid_behind_vllm_serve(
         assert all(layer["path"] == "CPU-experts" and layer["cpu_ms"] > 0 for layer in step["layers"]), step
     assert [x["tokens"] for x in summary] == [s["tokens"] for s in steps]
     assert all(x["moe_ms"] > 0 and x["span_ms"] >= x["moe_ms"] for x in summary), summary
+    # kt-hybrid's decode steps (bench/decode_timeline.py), armed at the server's start and read
+    # back through /collective_rpc after each batch size: every layer of every step of one token
+    # stamped (times on this build mean nothing: their order and presence do).
+    decode = run["decode_timeline"]["1"]
+    assert decode["steps"] >= 3 * 8 and decode["layers"] == config["num_hidden_layers"], decode
+    assert [layer["layer"] for layer in decode["per_layer"]] == list(range(config["num_hidden_layers"]))
+    assert 0 < decode["sum_cpu_ms"] <= decode["step_ms"], decode  # each step holds its layers' CPU side

@@ -10,6 +10,7 @@ import time
 import pytest
 from kt_testing.broken_weights import BREAKAGES, broken_copy
 from kt_testing.engines import clean_env
+from kt_testing.hardware import skip_without_kernel
 
 from vllm_kt_tools.support.server import vllm_command
 
@@ -84,9 +85,35 @@ def test_a_gguf_that_does_not_match_the_model_stops_vllm_serve(tiny_model, tmp_p
     assert_stops_before_weights(model, {"KT_METHOD": "LLAMAFILE", "KT_WEIGHT_PATH": str(gguf)}, expected)
 
 
-def assert_stops_before_weights(model, settings: dict[str, str], expected: str) -> None:
+@pytest.mark.parametrize("method", ["AMXINT8", "BF16"])
+def test_weights_the_method_cannot_read_stop_vllm_serve(tiny_model, tmp_path, method: str) -> None:
+    """Issue 48: KT_METHOD=AMXINT8 with KT_WEIGHT_PATH set to the model's own BF16 folder
+    passed the config and died in a worker, weights loaded, in kt-kernel's loader ("No experts
+    found for key blk.0"). Now serve stops with the line naming what the folder holds, what
+    AMXINT8 reads and the fix. And the mirror (this runs on any CPU; the first needs an AMXINT8
+    kernel, checked before any path): BF16 with `kt quant`'s AMXINT8 output. Every other pair:
+    tests/unit/test_weight_paths.py."""
+    from vllm_kt_tools.support.kt_weight_layouts import convert_layers, fake_layers
+
+    if method == "AMXINT8":
+        skip_without_kernel("AMXINT8")
+    model = tiny_model("qwen3_moe")
+    if method == "AMXINT8":
+        path = model.resolve()
+        holds = "a Hugging Face checkpoint whose routed experts are BF16; KT_METHOD=AMXINT8 reads AMXINT8 experts"
+        fix = "allowed: KT_WEIGHT_PATH unset, to quantize the checkpoint to AMXINT8 at the first start"
+    else:
+        path = convert_layers(fake_layers(model, tmp_path / "layers", "AMXINT8"), model, tmp_path, "AMXINT8").resolve()
+        holds = "AMXINT8 experts converted by KTransformers"
+        fix = "allowed: KT_METHOD=AMXINT8 for these weights"
+    settings = {"KT_METHOD": method, "KT_WEIGHT_PATH": str(path)}
+    assert_stops_before_weights(model, settings, f"KT_WEIGHT_PATH='{path}' is invalid ({holds}", fix)
+
+
+def assert_stops_before_weights(model, settings: dict[str, str], *expected: str) -> None:
     """Refused in the API-server process (no engine core ever starts), and the last line of
-    the output is the refusal, naming the variable; the time to it is printed (-s)."""
+    the output is the refusal, naming the variable (each of ``expected`` is in it); the time
+    to it is printed (-s)."""
     start = time.monotonic()
     proc = subprocess.run(
         [*vllm_command(), "serve", str(model), "--quantization", "kt-hybrid"],
@@ -100,8 +127,8 @@ def assert_stops_before_weights(model, settings: dict[str, str], expected: str) 
     output = proc.stdout
     assert proc.returncode != 0
     error_lines = [line for line in output.splitlines() if "ERROR" in line and "kt-hybrid: " in line]
-    assert error_lines and expected in error_lines[0], output[-3000:]
+    assert error_lines and all(part in error_lines[0] for part in expected), output[-3000:]
     assert "Loading weights" not in output and "EngineCore" not in output
     last = output.strip().splitlines()[-1]
-    assert last.startswith("kt-hybrid: ") and expected in last, output[-3000:]
+    assert last.startswith("kt-hybrid: ") and all(part in last for part in expected), output[-3000:]
     print(f"{settings}: refused after {elapsed:.1f} s, last line: {last}")

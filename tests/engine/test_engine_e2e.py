@@ -115,10 +115,13 @@ _bf16_cache: dict[tuple[str, str], list] = {}
 def kt_kernel_bf16(model: Path, placement: str) -> tuple[list, str]:
     """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU, the
     split with one GPU expert); kept for the deferral test, which compares with the
-    all-on-CPU run."""
+    all-on-CPU run. All on CPU names the model's own folder as KT_WEIGHT_PATH (what kt-kernel
+    reads when it is unset: support/weight_matrix.py counts on these runs for that case)."""
     key = (str(model), placement)
     kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": PLACEMENTS[placement]}
     forced = GPU_PREFILL if placement == "half on CPU" else SPLIT if placement == "one GPU expert" else {}
+    if placement == "all on CPU":
+        forced = {"KT_WEIGHT_PATH": str(model)}
     got, log = hybrid_logged(model, {**kt, **forced})
     _bf16_cache[key] = got
     return got, log
@@ -224,6 +227,23 @@ def test_online_amx_weights_are_cached_and_track_plain_vllm(tiny_model, tmp_path
     assert [m.stat().st_mtime_ns for m in sorted(tmp_path.rglob("vllm-kt.json"))] == stamps
     assert token_ids(first) == token_ids(second)
     assert_within_amx_bounds("qwen3_moe", "AMXINT8", first, plain(model))
+    assert_same_experts_from_weight_paths(model, kt, tmp_path, first)
+
+
+def assert_same_experts_from_weight_paths(model: Path, kt: dict[str, str], cache: Path, online: list) -> None:
+    """The experts an online start quantized, given back as KT_WEIGHT_PATH: the cache's
+    folder (``_layer_N/_numa_M/*.kt``), and the same bytes in `kt quant`'s layout (one
+    safetensors file per layer, support/kt_weight_layouts.py). kt-kernel reads each (its log
+    names the folder, nothing is quantized again) and computes the online start's tokens."""
+    from vllm_kt_tools.support.kt_weight_layouts import convert_layers
+
+    method = kt["KT_METHOD"]
+    (folder,) = cache.glob(f"*/{method}-pools1")
+    converted = convert_layers(folder, model, cache / "converted", method)
+    for path in (folder.resolve(), converted.resolve()):
+        got, log = hybrid_logged(model, {**kt, "KT_WEIGHT_PATH": str(path), "KT_CACHE_DIR": str(cache / "unused")})
+        assert f") from {path} in " in log and f"experts to {method} into" not in log, log[-3000:]
+        assert token_ids(got) == token_ids(online), path
 
 
 def test_expert_deferral_end_to_end(tiny_model) -> None:
@@ -288,11 +308,15 @@ def test_dynamic_gpu_experts_keep_plain_vllm_tokens(tiny_model, arch: str) -> No
 
 
 @requires_kernel("AMXINT4")
-def test_online_amx_accuracy_against_plain_vllm(tiny_model, tmp_path: Path) -> None:
+def test_amx_experts_from_every_source_track_plain_vllm(tiny_model, tmp_path: Path) -> None:
     """What online AMXINT4/AMXINT8 quantization costs on a model whose sizes AMXINT4 can tile
     (the tiny Mixtral: hidden 128, expert width 256; the other tiny models' experts are 64
-    wide), every expert on the CPU: within AMX_ACCURACY_BOUNDS (docs/design.md, *Online AMX weights*)."""
+    wide), every expert on the CPU: within AMX_ACCURACY_BOUNDS (docs/design.md, *Online AMX
+    weights*); and AMXINT4 experts read from KT_WEIGHT_PATH, the online cache's folder and `kt
+    quant`'s layout, give the online start's tokens (AMXINT8's: the Qwen3-MoE test above)."""
     model = tiny_model("mixtral")
     for method in ("AMXINT8", "AMXINT4"):
-        got = hybrid(model, {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": "0", "KT_CACHE_DIR": str(tmp_path)})
+        kt = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": "0", "KT_CACHE_DIR": str(tmp_path)}
+        got = hybrid(model, kt)
         assert_within_amx_bounds("mixtral", method, got, plain(model))
+    assert_same_experts_from_weight_paths(model, kt, tmp_path, got)

@@ -4,13 +4,14 @@ completions and chat endpoints through the openai client with plain vLLM's token
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 from kt_testing.engines import FAST_COMPILE_CACHE, clean_env
-from kt_testing.openai_client import SERVE_ARGS, ask
+from kt_testing.openai_client import SERVE_ARGS, ask, burst, burst_prompts
 
 from vllm_kt_tools.cli.demo import serve_command_line
 from vllm_kt_tools.support.server import VLLMServer, activated_env, free_port
@@ -35,10 +36,21 @@ def serve(model: Path, log: Path, kt: dict[str, str] | None, args: list[str] | N
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def plain_server(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Plain vLLM's answers (plugin not loaded, default compilation): one server for every
-    test here."""
-    return serve(tiny_model("qwen3_moe"), tmp_path_factory.mktemp("plain") / "plain.log", None)
+    test here, asked the questions (``ask``) and the prompts sent together (``burst``)."""
+    model = tiny_model("qwen3_moe")
+    env = clean_env(VLLM_PLUGINS="")
+    for name in FAST_COMPILE_CACHE:
+        env.pop(name)
+    log = tmp_path_factory.mktemp("plain") / "plain.log"
+    with VLLMServer(model, SERVE_ARGS, env=env, log_path=log) as server:
+        return {"ask": ask(server), "burst": burst(server, burst_prompts())}
+
+
+@pytest.fixture(scope="module")
+def plain(plain_server: dict) -> dict:
+    return plain_server["ask"]
 
 
 def _amx_cpu_build() -> bool:
@@ -131,3 +143,39 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
     samples = [line for line in body.splitlines() if line.startswith("kt_hybrid_cpu_expert_seconds_total{")]
     assert len(samples) == 3, body[-3000:]  # one per MoE layer
     assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in samples)
+
+
+def test_kt_hybrid_scheduler_gathers_prompts_sent_together(tiny_model, plain_server: dict, tmp_path: Path) -> None:
+    """kt-hybrid's scheduler (``--scheduler-cls``, hybrid/scheduler.py) behind `vllm serve`: 8
+    prompts sent 0.1 s apart, each large enough to stream the whole layer (forced from 16
+    tokens on this build), run as one forward, where vLLM's own scheduler runs the first alone
+    as soon as it arrives (more than one forward: so this can fail); greedy tokens are plain
+    vLLM's either way. vLLM's steps: the large-forward log lines (KT_METRICS_INTERVAL), queued
+    after the burst began (the monotonic clock is the host's)."""
+    from vllm_kt_plugin.hybrid.metrics import GPU_PREFILL_PATH
+    from vllm_kt_plugin.hybrid.scheduler import GATHERED
+    from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER
+    from vllm_kt_tools.bench.report import LARGE_FORWARD_LINE
+
+    model = tiny_model("qwen3_moe")
+    prompts = burst_prompts()
+    # 3 s: the 8 arrivals span 0.7 s, and this box is shared (a lone prompt waits the whole window)
+    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_GPU_PREFILL_MIN_TOKENS": "16", "KT_METRICS_INTERVAL": "3600"}
+    env = clean_env(**kt, KT_GPU_PREFILL_GATHER_MS="3000")
+    forwards = {}
+    for name, scheduler in (("vllm", []), ("kt-hybrid", ["--scheduler-cls", GATHERING_SCHEDULER])):
+        log = tmp_path / f"{name}-scheduler.log"
+        args = [*SERVE_ARGS, "--quantization", "kt-hybrid", *scheduler]
+        with VLLMServer(model, args, env=env, log_path=log) as server:
+            began = time.monotonic()
+            answers = burst(server, prompts)
+        assert [a["token_ids"] for a in answers] == [a["token_ids"] for a in plain_server["burst"]], name
+        text = log.read_text()
+        forwards[name] = [(int(n), path) for n, path, at in LARGE_FORWARD_LINE.findall(text) if float(at) >= began]
+        tokens = sum(a["prompt_tokens"] for a in answers)
+        assert all(a["prompt_tokens"] >= 16 for a in answers)
+        if scheduler:
+            assert forwards[name] == [(tokens, GPU_PREFILL_PATH)], forwards
+            assert f"{GATHERED} 8 prompts ({tokens} tokens) into one step" in text, text[-3000:]
+        else:
+            assert len(forwards[name]) > 1 and GATHERED not in text, forwards

@@ -98,6 +98,11 @@ def install_zero_backend(root: Path) -> str:
 # vLLM, the notebooks) keep its default.
 FAST_COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
 
+# vLLM's offline LLM runs its engine core in a second process, which imports vLLM again; the
+# comparisons run it in the child itself, which halves a tiny model's start (docs/contributing.md).
+# The default, two-process path is what every `vllm serve` test and the offline notebook run.
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without KT_* settings, plus ``extra``; ``tests/`` on the
@@ -150,7 +155,7 @@ def generate_logged(
     run = run_child(
         "kt_testing.greedy:greedy_completions",
         args,
-        env=clean_env(**(kt or {}), **env),
+        env=clean_env(**{**IN_PROCESS_ENGINE, **(kt or {}), **env}),
         timeout_s=ENGINE_TIMEOUT_S,
     )
     if run.result is None:

@@ -164,6 +164,32 @@ def test_variants_repeat_the_first_method() -> None:
             args("--variant", bad)
 
 
+def test_gather_check_runs_the_first_method_behind_kt_hybrids_scheduler() -> None:
+    """--gather-check: the first method again with --scheduler-cls (the engine argument reaches
+    `vllm serve` and vLLM's LLM alike), at the plugin's window or at each window given."""
+    from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER
+    from vllm_kt_tools.bench.load_runs import serve_args
+    from vllm_kt_tools.bench.peers import engine_kwargs
+
+    sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
+    argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4,AMXINT8"]
+    runs = plan_runs(args(*argv, "--gather-check"), "/m", "dummy", sizes)
+    assert [r.name for r in runs] == ["kt-hybrid-amxint4", "kt-hybrid-amxint8", "kt-hybrid-amxint4-gather"]
+    assert runs[0].engine_args == {} and runs[2].env == runs[0].env
+    assert serve_args(runs[2], 512)[-4:] == ["--scheduler-cls", GATHERING_SCHEDULER, "--quantization", "kt-hybrid"]
+    assert engine_kwargs(runs[2].engine_args) == {"scheduler_cls": GATHERING_SCHEDULER}
+    runs = plan_runs(args(*argv, "--gather-check", "15,60"), "/m", "dummy", sizes)
+    assert [(r.variant, r.env.get("KT_GPU_PREFILL_GATHER_MS")) for r in runs[2:]] == [
+        ("gather-15ms", "15"),
+        ("gather-60ms", "60"),
+    ]
+    for bad in ("0", "fast", "20000"):
+        with pytest.raises(SystemExit):
+            args("--gather-check", bad)
+    with pytest.raises(SystemExit):  # one name for two runs
+        plan_runs(args(*argv, "--gather-check", "--variant", "gather:KT_METRICS_INTERVAL=1"), "/m", "dummy", sizes)
+
+
 def test_kt_env_must_name_a_kt_variable() -> None:
     with pytest.raises(SystemExit):
         args("--kt-env", "VLLM_X=1")
@@ -508,6 +534,7 @@ def test_sglang_kt_launch_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert flags == {
         "--attention-backend": "fa3",
         "--sampling-backend": "pytorch",
+        "--grammar-backend": "none",
         "--kt-weight-path": str(folder),
         "--kt-method": "AMXINT4",
         "--kt-cpuinfer": "14",

@@ -10,9 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN
-from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights
+from vllm_kt_plugin.cpu_backends.kt_kernel import diagnostics
+from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import (
+    KernelBuild,
+    build_of,
+    check_cpu,
+    check_weights,
+    fastest_here,
+)
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import MethodSpeed
 from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 from vllm_kt_plugin.settings.model_memory import estimate_model_memory
 from vllm_kt_tools.cli.doctor import (
@@ -28,6 +37,7 @@ from vllm_kt_tools.cli.doctor import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+REAL_LOADED_BUILD = diagnostics.loaded_build  # the autouse fixture below fakes it
 
 SAPPHIRE_RAPIDS_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -75,28 +85,114 @@ def test_proc_readers() -> None:
     assert mem_available_from_meminfo("MemTotal: 1 kB\n") is None
 
 
+# What cannot run on each kt-kernel build, as kt-kernel 0.7.2's flags say (methods.kernel_available).
+GPU_ONLY = {"SYCL_GPTQ_INT4": "an Intel GPU (SYCL) kernel, not a CPU one"}
+CANNOT_RUN = {
+    "amx": GPU_ONLY,
+    "avx512_bf16": GPU_ONLY,
+    "avx2": {
+        **GPU_ONLY,
+        **{m: "no kernel in kt-kernel's avx2 build" for m in ("AMXINT4", "AMXINT8", "FP8_PERCHANNEL")},
+        "RAWINT4": "its AVX2 RAWINT4 kernel crashes the process",
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def kt_kernel_build(monkeypatch: pytest.MonkeyPatch):
+    """``kt_kernel_build(variant)``: the build doctor sees kt-kernel load, with the shipped
+    table's rows for it; the AMX one (``machine()``'s) unless a test picks another."""
+
+    def use(variant: str | KernelBuild) -> KernelBuild:
+        build = variant if isinstance(variant, KernelBuild) else build_of(variant, CANNOT_RUN[variant])
+        monkeypatch.setattr(diagnostics, "loaded_build", lambda: build)
+        return build
+
+    use("amx")
+    return use
+
+
+# An EPYC Zen 4's build (AVX-512 with BF16, no AMX): a table where the AMX methods run on
+# AVX-512, one within the noise of the fastest, one clearly slower.
+ZEN4_BUILD = KernelBuild(
+    "avx512_bf16",
+    tuple(
+        MethodSpeed(row, {"1": ms, "16": ms * 20})
+        for row, ms in (("LLAMAFILE Q4_K", 2.9), ("AMXINT8", 3.7), ("AMXINT4", 7.3), ("BF16", 14.4))
+    ),
+    GPU_ONLY,
+)
+
+
 @pytest.mark.parametrize(
     "method,flags,level,words",
     [
-        ("AMXINT4", cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO), OK, "AMX present"),
-        ("AMXINT8", ZEN4_FLAGS, WARN, "AVX-512 kernels"),
-        ("BF16", ZEN4_FLAGS, OK, "AVX-512 with BF16"),
-        ("BF16", frozenset({"avx2", "avx512f", "avx512bw"}), WARN, "without avx512_bf16"),
-        ("FP8", frozenset({"avx2"}), WARN, "AVX2 only"),
+        ("LLAMAFILE", ZEN4_FLAGS, OK, "LLAMAFILE: LLAMAFILE Q4_K: 2.90 ms a layer at batch 1, the fastest here"),
+        # no AMX, yet AMXINT8 is measured close to the fastest: its verdict is the measurement's
+        ("AMXINT8", ZEN4_FLAGS, OK, "1.3x the fastest's time, within the measurement's noise"),
+        ("AMXINT4", ZEN4_FLAGS, WARN, "2.5x the fastest's time; the fastest: LLAMAFILE Q4_K, 2.90 ms"),
+        ("FP8", ZEN4_FLAGS, OK, "KT_METHOD=FP8: runs here; not measured"),
+        ("SYCL_GPTQ_INT4", ZEN4_FLAGS, ERROR, "cannot run here: an Intel GPU (SYCL) kernel"),
+        (None, ZEN4_FLAGS, OK, "AVX-512-BF16 yes, AVX2 yes: kt-kernel loads its avx512_bf16 build"),
         ("BF16", frozenset({"sse2"}), ERROR, "no AVX2"),
-        (None, ZEN4_FLAGS, OK, "slow here: AMXINT4, AMXINT8;"),
-        (None, frozenset({"sse2"}), ERROR, "fast here: none; slow here: none"),
     ],
 )
-def test_cpu_features_against_the_method(method: str | None, flags: frozenset[str], level: str, words: str) -> None:
+def test_cpu_verdict_on_kt_method_is_the_measurements(
+    kt_kernel_build, method: str | None, flags: frozenset[str], level: str, words: str
+) -> None:
+    kt_kernel_build(ZEN4_BUILD)
     verdict = check_cpu(method, flags)
     assert (verdict.level, words in verdict.reason) == (level, True), verdict
+    assert "slow" not in verdict.reason  # the old flag rule ("AMX methods are slow without AMX") is gone
+
+
+def methods_line(reason: str) -> dict[str, str]:
+    """KT_METHOD -> its one verdict on the methods line: its measured row (LLAMAFILE: its
+    fastest GGUF type's, listed first), or the list it is in."""
+    verdicts: dict[str, str] = {}
+
+    def give(method: str, verdict: str) -> None:
+        assert method not in verdicts, f"{method} has two verdicts:\n{reason}"
+        verdicts[method] = verdict
+
+    for line in (line.strip() for line in reason.splitlines()[1:-1]):
+        if line.startswith("runs here, not measured"):
+            for method in line.split(": ", 1)[1].split(", "):
+                give(method, "not measured")
+        elif line.startswith("cannot run here: "):
+            listed, why = line.removeprefix("cannot run here: ").split(": ", 1)
+            for method in listed.split(", "):
+                give(method, f"cannot run: {why}")
+        elif not (line.startswith("LLAMAFILE") and "LLAMAFILE" in verdicts):
+            give(line.split()[0], line)
+    return verdicts
+
+
+def test_methods_line_gives_every_method_one_verdict(kt_kernel_build) -> None:
+    kt_kernel_build(ZEN4_BUILD)
+    reason = fastest_here(None).reason
+    verdicts = methods_line(reason)
+    assert set(verdicts) == set(KT_METHODS), reason
+    assert "the fastest here" in verdicts["LLAMAFILE"] and "Q4_K_M GGUF" in verdicts["LLAMAFILE"]
+    assert "within the measurement's noise" in verdicts["AMXINT8"]
+    assert "2.5x the fastest's time" in verdicts["AMXINT4"]
+    assert verdicts["FP8"] == "not measured" and verdicts["SYCL_GPTQ_INT4"].startswith("cannot run: an Intel GPU")
+    # each measured method's verdict on the cpu line is its row's on the methods line
+    for method in ("LLAMAFILE", "AMXINT8", "AMXINT4", "BF16"):
+        relative = check_cpu(method, ZEN4_FLAGS).reason.split(" at batch 1, ")[1].split("; the fastest")[0]
+        assert relative in verdicts[method], (method, relative, verdicts[method])
 
 
 def test_all_cores_warns_of_oversubscription() -> None:
     verdict = check_threads(112, 112)
     assert verdict.level == WARN and "13-26x" in verdict.reason and "KT_CPUINFER=110" in verdict.reason
     assert check_threads(110, 112).level == OK
+    default = check_threads(110, 112, vllm_cores="free", by_default=True)
+    assert "(the default: usable cores - 2)" in default.reason and "KT_VLLM_CORES=free" in default.reason
+    assert (
+        "the default" not in check_threads(110, 112).reason
+        and "KT_VLLM_CORES=shared" in check_threads(110, 112).reason
+    )
 
 
 @pytest.mark.parametrize("pools,nodes,level", [(3, 2, ERROR), (1, 2, WARN), (2, 2, OK), (1, 1, OK)])
@@ -110,41 +206,71 @@ def test_versions() -> None:
     assert check_versions({"kt-kernel": None}, "torch")[0].level == WARN
 
 
+def small_qwen3(model: Path) -> Path:
+    """config.json and BF16 experts of a tiny Qwen3-MoE (3 layers, 4 experts of 256 x 128)."""
+    from safetensors.torch import save_file
+
+    model.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 4, "hidden_size": 128}
+    (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 256}))
+    shapes = {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}
+    tensors = {
+        f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+        for layer in range(3)
+        for e in range(4)
+        for p, shape in shapes.items()
+    }
+    save_file(tensors, str(model / "model.safetensors"))
+    return model
+
+
 def test_amx_weights_in_kt_layout(tmp_path: Path) -> None:
-    for layer in range(3):
-        for numa in range(2):
-            shard = tmp_path / f"_layer_{layer}" / f"_numa_{numa}"
-            shard.mkdir(parents=True)
-            (shard / "INT4_down_0_Byte_quant_.kt").write_bytes(b"")
-    verdict = check_weights("AMXINT4", str(tmp_path), None)
-    assert verdict.level == OK and "3 layers x 2 NUMA shard(s)" in verdict.reason
+    from vllm_kt_tools.support.kt_weight_layouts import fake_layers
+
+    layers = fake_layers(small_qwen3(tmp_path / "model"), tmp_path / "layers", "AMXINT4", pools=2)
+    verdict = check_weights("AMXINT4", str(layers), None, pools=2)
+    assert verdict.level == OK and "layers 0..2; 2 NUMA pools" in verdict.reason, verdict
+    assert "pass --model DIR" in verdict.reason  # without the model's config: the kind of weights only
 
 
 @pytest.mark.parametrize(
     "method,file,level",
     [
-        ("AMXINT4", "model.safetensors", OK),  # kt quant's merged output
+        ("AMXINT4", "converted", OK),  # kt quant's merged output
         ("AMXINT4", "model.gguf", ERROR),
         ("LLAMAFILE", "model-Q4_K_M.gguf", OK),
         # kt-kernel reads the .gguf files directly in the folder, not in subfolders
         ("LLAMAFILE", "sub/model-Q4_K_M.gguf", ERROR),
-        ("LLAMAFILE", "model.safetensors", ERROR),
-        ("BF16", "model-00001.safetensors", OK),
+        ("LLAMAFILE", "checkpoint", ERROR),
+        ("BF16", "checkpoint", OK),
         ("FP8", "model.gguf", ERROR),
-        ("MOE_INT4", "anything.bin", WARN),
+        ("MOE_INT4", "anything.bin", ERROR),
     ],
 )
 def test_weight_files_against_the_method(tmp_path: Path, method: str, file: str, level: str) -> None:
-    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / file).write_bytes(b"")
-    assert check_weights(method, str(tmp_path), None).level == level
+    """Without --model, what the folder holds against what the method reads (serve's check:
+    tests/unit/test_weight_paths.py)."""
+    from vllm_kt_tools.support.kt_weight_layouts import convert_layers, fake_layers
+
+    weights = tmp_path / "weights"
+    if file == "checkpoint":
+        small_qwen3(weights)
+    elif file == "converted":
+        model = small_qwen3(tmp_path / "model")
+        weights = convert_layers(fake_layers(model, tmp_path / "layers", "AMXINT4"), model, tmp_path, "AMXINT4")
+    else:
+        (weights / file).parent.mkdir(parents=True, exist_ok=True)
+        (weights / file).write_bytes(b"")
+    assert check_weights(method, str(weights), None).level == level
 
 
 def test_weights_default_to_the_model_dir_only_for_checkpoint_methods(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    assert check_weights("BF16", None, str(tmp_path)).level == OK
-    assert check_weights("AMXINT4", None, str(tmp_path)).level == OK  # quantized online, cached
+    model = small_qwen3(tmp_path / "model")
+    assert check_weights("BF16", None, str(model)).level == OK
+    assert check_weights("AMXINT4", None, str(model)).level == OK  # quantized online, cached
     assert check_weights("BF16", None, None).level == WARN
+    (tmp_path / "empty").mkdir()
+    assert check_weights("BF16", None, str(tmp_path / "empty")).level == ERROR  # no *.safetensors
 
 
 def test_ram_against_the_cpu_experts() -> None:
@@ -190,18 +316,21 @@ def test_good_setup_exits_zero(tiny_model, capsys: pytest.CaptureFixture[str]) -
     env = {"KT_METHOD": "BF16", "KT_CPUINFER": "100", "KT_THREADPOOL_COUNT": "2"}
     assert doctor(str(tiny_model("qwen3_moe")), env, machine()) == 0
     out = capsys.readouterr().out
-    assert "0 error(s), 0 warning(s)" in out
-    for check in ("settings", "serve", "cpu", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram"):
-        assert f"OK     {check}" in out, out
+    checks = ("settings", "serve", "cpu", "methods", "threads", "numa", "kt-kernel", "vllm", "torch", "weights", "ram")
+    for check in checks:
+        assert f"OK     {check}" in out or check == "cpu", out
+    # on the AMX build BF16 is measured well behind AMXINT4: the one warning says so
+    assert "0 error(s), 1 warning(s)" in out and "WARN   cpu" in out and "the fastest: AMXINT4" in out, out
 
 
 def test_default_method_follows_the_checkpoint(model_dir: Path) -> None:
     verdicts = run_checks({}, machine(), str(model_dir))
     cpu = next(v for v in verdicts if v.check == "cpu")
-    assert cpu.level == OK and "KT_METHOD=BF16" in cpu.reason
+    assert "KT_METHOD=BF16: " in cpu.reason
 
 
-def test_every_problem_is_reported(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_problem_is_reported(model_dir: Path, kt_kernel_build, capsys: pytest.CaptureFixture[str]) -> None:
+    kt_kernel_build(ZEN4_BUILD)
     small_amd = machine(
         cpu_flags=ZEN4_FLAGS,
         usable_cores=16,
@@ -213,7 +342,8 @@ def test_every_problem_is_reported(model_dir: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "ERROR  settings   KT_WEIGHT_PATH=" in out  # a bad variable is still reported, the rest still runs
     assert "WARN   cpu" in out and "WARN   threads" in out and "ERROR  ram" in out
-    assert "ERROR  weights    " + str(model_dir / "missing") + " is not a directory" in out
+    # the settings' line again, as serve would say it (with the raw value doctor was given)
+    assert f"ERROR  weights    KT_WEIGHT_PATH='{model_dir / 'missing'}' is invalid (no such directory)" in out
 
 
 def test_unreadable_model_config(tmp_path: Path) -> None:
@@ -248,8 +378,8 @@ def test_a_model_name_is_read_as_vllm_serve_reads_it(tiny_model, tmp_path: Path)
 
 
 def test_doctor_command_on_this_machine() -> None:
-    """The real command, reading this machine's /proc: the CPU verdict follows its flags,
-    and the exit status follows the verdicts."""
+    """The real command, reading this machine's /proc and loading its kt-kernel build: the
+    CPU verdict on KT_METHOD is that build's, and the exit status follows the verdicts."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["KT_METHOD"] = "AMXINT4"
@@ -261,11 +391,11 @@ def test_doctor_command_on_this_machine() -> None:
         timeout=300,
     )
     lines = proc.stdout.splitlines()
-    verdict_of = {line.split()[1]: line.split()[0] for line in lines[:-1]}
+    verdict_of = {line.split()[1]: line.split()[0] for line in lines[:-1] if not line.startswith(" ")}
     assert set(verdict_of) == {
         "settings",
         "cpu",
-        "fastest",
+        "methods",
         "threads",
         "numa",
         "kt-kernel",
@@ -274,49 +404,47 @@ def test_doctor_command_on_this_machine() -> None:
         "weights",
         "ram",
     }
-    assert verdict_of["fastest"] == OK and "fastest decode" in proc.stdout  # the measured table's line
-    has_amx = {"amx_tile", "amx_int8"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
-    has_avx512 = {"avx512f", "avx512bw"} <= cpu_flags_from_cpuinfo(Path("/proc/cpuinfo").read_text())
-    assert verdict_of["cpu"] == (OK if has_amx else WARN if has_avx512 else ERROR), proc.stdout
+    build = REAL_LOADED_BUILD()
+    assert verdict_of["methods"] == OK and f"on kt-kernel's {build.variant} build" in proc.stdout
+    assert set(methods_line(proc.stdout.split("methods    ", 1)[1].split("\nWARN")[0].split("\nOK")[0])) == set(
+        KT_METHODS
+    ), proc.stdout
+    assert verdict_of["cpu"] == build.verdict("AMXINT4")[0], proc.stdout
     assert verdict_of["weights"] == OK  # AMXINT4 without KT_WEIGHT_PATH: quantized online
     errors = list(verdict_of.values()).count(ERROR)
     assert proc.returncode == (1 if errors else 0) and lines[-1].startswith(f"{errors} error(s)")
 
 
 @pytest.mark.parametrize(
-    "flags,features,fast,slow,impossible",
+    "flags,variant,features",
     [
-        (
-            cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO),
-            "AMX yes, AVX-512 yes, AVX-512-BF16 yes, AVX2 yes",
-            {"AMXINT4", "AMXINT8", "BF16", "FP8", "GPTQ_INT4"},
-            set(),
-            {"SYCL_GPTQ_INT4"},
-        ),
-        (ZEN4_FLAGS, "AMX no, AVX-512 yes, AVX-512-BF16 yes", {"BF16", "FP8"}, {"AMXINT4", "AMXINT8"}, set()),
-        (
-            frozenset({"avx", "avx2"}),
-            "AMX no, AVX-512 no, AVX-512-BF16 no, AVX2 yes",
-            set(),
-            {"BF16", "FP8", "GPTQ_INT4", "LLAMAFILE"},
-            {"AMXINT4", "AMXINT8", "FP8_PERCHANNEL"},
-        ),
+        (cpu_flags_from_cpuinfo(SAPPHIRE_RAPIDS_CPUINFO), "amx", "AMX yes, AVX-512 yes, AVX-512-BF16 yes, AVX2 yes"),
+        (ZEN4_FLAGS, "avx512_bf16", "AMX no, AVX-512 yes, AVX-512-BF16 yes, AVX2 yes"),
+        (frozenset({"avx", "avx2"}), "avx2", "AMX no, AVX-512 no, AVX-512-BF16 no, AVX2 yes"),
     ],
 )
 def test_doctor_with_nothing_set_says_what_this_cpu_runs(
-    flags: frozenset[str], features: str, fast: set[str], slow: set[str], impossible: set[str]
+    kt_kernel_build, flags: frozenset[str], variant: str, features: str
 ) -> None:
-    """The first thing a new user types: no KT_* variable, no model. The cpu verdict
-    names the CPU's features and sorts every KT_METHOD into fast / slow / impossible."""
-    verdicts = run_checks({}, machine(cpu_flags=flags))
-    cpu = next(v for v in verdicts if v.check == "cpu")
-    assert cpu.reason.startswith(features), cpu.reason
-    listed = dict(part.split(" here: ") for part in cpu.reason.split(". KT_METHOD ")[1].split("; "))
-    sorted_methods = {speed: set(methods.split(", ")) - {"none"} for speed, methods in listed.items()}
-    assert fast <= sorted_methods["fast"] and slow <= sorted_methods["slow"], sorted_methods
-    assert impossible <= sorted_methods["impossible"], sorted_methods
-    assert set().union(*sorted_methods.values()) == set(KT_METHODS)  # every method, once
-    assert sum(map(len, sorted_methods.values())) == len(KT_METHODS)
+    """The first thing a new user types: no KT_* variable, no model. The cpu line names the
+    CPU's features and kt-kernel's build; the methods line gives every KT_METHOD one verdict
+    on that build, from the shipped table where it measured the method, and each agrees
+    with the cpu line's verdict on that method."""
+    build = kt_kernel_build(variant)
+    verdicts = {v.check: v for v in run_checks({}, machine(cpu_flags=flags))}
+    assert verdicts["cpu"].reason.startswith(f"{features}: kt-kernel loads its {variant} build"), verdicts["cpu"]
+    by_method = methods_line(verdicts["methods"].reason)
+    assert set(by_method) == set(KT_METHODS), verdicts["methods"].reason
+    assert "the fastest here" in by_method[build.measured[0].method]
+    for method in KT_METHODS:
+        level, verdict = check_cpu(method, flags).level, check_cpu(method, flags).reason
+        if method in CANNOT_RUN[variant]:
+            assert level == ERROR and by_method[method].startswith("cannot run"), (method, verdict)
+        elif "not measured" in verdict:
+            assert level == OK and by_method[method] == "not measured", (method, verdict)
+        else:
+            relative = verdict.split(" at batch 1, ")[1].split("; the fastest")[0]
+            assert relative in by_method[method], (method, verdict, by_method[method])
 
 
 def test_pipeline_stages_on_one_host_share_its_cores(model_dir: Path) -> None:
@@ -331,7 +459,8 @@ def test_pipeline_stages_on_one_host_share_its_cores(model_dir: Path) -> None:
     assert crowded["threads"].level == WARN and "2 pipeline stages" in crowded["threads"].reason
     # Tensor parallelism alone: one kt-kernel process (rank 0), nothing divided.
     alone = {v.check: v for v in run_checks({"KT_METHOD": "BF16"}, machine(), None, 4, 1)}
-    assert "parallel" not in alone and "KT_CPUINFER=110 of 112" in alone["threads"].reason
+    assert "parallel" not in alone
+    assert "KT_CPUINFER=110 (the default: usable cores - 2) of 112 usable cores" in alone["threads"].reason
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])

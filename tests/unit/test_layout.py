@@ -108,21 +108,29 @@ def test_catalogue_methods_are_kt_kernels() -> None:
     assert set(KT_METHOD_BYTES_PER_WEIGHT) == set(KT_METHODS) - {"LLAMAFILE"}  # GGUF: size per tensor type
 
 
+SOURCE_CHECKOUT = f"{RUNTIME}.source_checkout"
+
+
 def test_settings_import_nothing_above_them() -> None:
     """Settings (with the model facts planning reads) sit below planning, the layers and the
     backends: nothing in settings/ imports them."""
     graph = package_imports()
     settings = sorted(m for m in graph if m.startswith(f"{RUNTIME}.settings"))
     assert len(settings) >= 7  # catalogue, errors, variables, presets, loader, model facts
-    upward = {m: sorted(n for n in graph[m] if not n.startswith(f"{RUNTIME}.settings")) for m in settings}
+    assert graph[SOURCE_CHECKOUT] == set()  # below everything: presets read configs/ of a checkout through it
+    upward = {
+        m: sorted(n for n in graph[m] if not n.startswith(f"{RUNTIME}.settings") and n != SOURCE_CHECKOUT)
+        for m in settings
+    }
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
 
 
-# hybrid/'s top: what builds a layer (the config, the method) and what holds the layers of a
-# process. Everything else in hybrid/ (the contracts, the paths, the observers and what they
-# use) sits below it and reaches the process state only through contracts.ProcessState.
+# hybrid/'s top: what builds a layer (the config, the method), what holds the layers of a
+# process, and the engine core's scheduler, which reads both. Everything else in hybrid/ (the
+# contracts, the paths, the observers and what they use) sits below it and reaches the process
+# state only through contracts.ProcessState.
 HYBRID = f"{RUNTIME}.hybrid"
-HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "process_state"))
+HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "process_state", "scheduler"))
 
 
 def test_hybrid_paths_and_observers_import_nothing_above_them() -> None:

@@ -1,4 +1,4 @@
-"""KT_METHOD=auto and doctor's "fastest" line read the method table the plugin ships, which
+"""KT_METHOD=auto and doctor's "methods" line read the method table the plugin ships, which
 is the reduction of the committed measurement (benchmarks/results/, written by `vllm-kt
 bench --cpu-methods`); auto picks the fastest method the weights allow and says so in one
 log line, naming what to point KT_WEIGHT_PATH at when a faster method needs other weights."""
@@ -82,7 +82,7 @@ def test_auto_reads_gguf_weights_with_llamafile(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_auto_with_converted_weights_asks_for_their_method(tmp_path: Path) -> None:
-    with pytest.raises(KTConfigError, match="KT_METHOD='auto' is invalid .* holds converted weights"):
+    with pytest.raises(KTConfigError, match="KT_METHOD='auto' is invalid .* holds an empty folder; auto picks"):
         KTKernelExperts.resolve_method(settings(KT_WEIGHT_PATH=str(tmp_path)), CheckpointFormat())
 
 
@@ -103,26 +103,32 @@ def test_a_method_auto_picked_that_the_model_cannot_tile_says_auto() -> None:
         check_alignment("AMXINT4", 128, 64, auto=True)
 
 
-def test_the_readme_table_is_the_committed_measurement() -> None:
-    from vllm_kt_tools.bench.cpu_methods import replace_readme_section
+def test_the_docs_table_is_the_committed_measurement() -> None:
+    from vllm_kt_tools.bench.cpu_methods import DOC, replace_doc_table
 
     source, result = committed_result()
-    readme = (ROOT / "README.md").read_text()
-    assert replace_readme_section(readme, result, source) == readme, (
-        f"README's CPU-methods table is stale: run `python -m vllm_kt_tools.bench.cpu_methods {source}`"
+    doc = ROOT.joinpath(*DOC).read_text()
+    assert replace_doc_table(doc, result, source) == doc, (
+        f"docs/cpu-methods.md's table is stale: run `python -m vllm_kt_tools.bench.cpu_methods {source}`"
     )
 
 
-def test_doctor_names_the_fastest_method_for_this_cpu(tmp_path: Path) -> None:
+def test_doctor_ranks_the_methods_for_this_cpu(tmp_path: Path) -> None:
+    """The methods line, on this machine's own kt-kernel build: its measured rows fastest
+    first, the fastest named so, and what to point KT_WEIGHT_PATH at where that reads GGUF
+    and none is given."""
     import kt_kernel
 
     from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import fastest_here
     from vllm_kt_plugin.cpu_backends.kt_kernel.methods import kernel_available
 
     variant = str(kt_kernel.__cpu_variant__)
-    best = next(s for s in ranking(variant) if kernel_available(s.method))
-    verdict = fastest_here(None)
-    assert f"kt-kernel loads its {variant} kernels here: fastest decode {best.describe()}" in verdict.reason
-    assert ("point KT_WEIGHT_PATH at" in verdict.reason) == (best.method == "LLAMAFILE")
+    ranked = [s for s in ranking(variant) if kernel_available(s.method)]
+    reason = fastest_here(None).reason
+    assert f"on kt-kernel's {variant} build, fastest first" in reason
+    rows = [line.strip().split("  ")[0] for line in reason.splitlines()[1 : 1 + len(ranked)]]
+    assert rows == [s.row for s in ranked], reason
+    assert "the fastest here" in reason.splitlines()[1]
+    assert ("point KT_WEIGHT_PATH at" in reason) == (ranked[0].method == "LLAMAFILE")
     gguf = write_random_experts(tmp_path / "m.gguf", [0], 4, 64, 256, "Q8_0")
     assert "point KT_WEIGHT_PATH at" not in fastest_here(str(gguf)).reason

@@ -109,3 +109,81 @@ def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     wait_for(ready)
     process_groups.stop(proc, grace_s=1.0)
     assert proc.returncode == -signal.SIGKILL and not alive(proc.pid)
+
+
+# A sitting as head-to-head.sh runs one: a driver shell (its own session, tagged), a bench-like
+# process starting a system in a session of its own whose child leaves its group, and an engine
+# child still early in its start (it starts its engine core only after a while, in its own group).
+SITTING = """
+set -u
+echo "$VLLM_KT_SITTING" > "$BENCH_OUT/sitting.tag"
+python3 -c "$SYSTEM" "$BENCH_OUT/system" &
+setsid python3 -c "$LATE" "$BENCH_OUT/late" &
+sleep 600
+"""
+LATE_START = """
+import os, subprocess, sys, time
+open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
+time.sleep(3)  # still starting when the sitting is stopped
+core = subprocess.Popen([sys.executable, "-c", "import os, time; os.setpgid(0, 0); time.sleep(600)"])
+open(sys.argv[1] + ".core", "w").write(str(core.pid))
+time.sleep(600)
+"""
+
+
+def test_stop_sh_stops_a_whole_sitting_and_nothing_else(tmp_path: Path) -> None:
+    """benchmarks/sittings/stop.sh kills every process of the sitting (by the tag they inherit:
+    the driver's session, a system's own session with a child that left its group, an engine
+    child early in its start, which then starts nothing), and spares a shell whose command line
+    names the sitting's script but that the sitting did not start."""
+    script = tmp_path / "head-to-head.sh"
+    script.write_text(SITTING)
+    tag = f"test-{os.getpid()}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "BENCH_OUT": str(tmp_path),
+        process_groups.SITTING_VARIABLE: tag,
+        "SYSTEM": f"import sys; from vllm_kt_tools.support import process_groups\n"
+        f"p = process_groups.start([sys.executable, '-c', {SPAWN!r}, sys.argv[1]]); p.wait()",
+        "LATE": LATE_START,
+    }
+    bystander = subprocess.Popen(["bash", "-c", "sleep 600", str(script)], start_new_session=True)
+    sitting = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+    family: list[int] = []
+    try:
+        system_child, grandchild = map(int, wait_for(tmp_path / "system").split())
+        late = int(wait_for(tmp_path / "late.pid"))
+        family = [sitting.pid, system_child, grandchild, late]
+        assert all(alive(pid) for pid in family)
+        assert len({os.getsid(pid) for pid in family}) == 3  # the driver's, the system's, the engine child's
+        assert process_groups.tagged(tag)
+        stop = subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / "sittings" / "stop.sh")],
+            env={**os.environ, "BENCH_OUT": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stop.returncode == 0, stop.stderr
+        assert f"stop: sitting {tag}:" in stop.stdout
+        sitting.wait(timeout=10)
+        time.sleep(4)  # past the engine child's start: it must not have started its core
+        assert [pid for pid in family if alive(pid)] == [] and process_groups.tagged(tag) == []
+        assert not (tmp_path / "late.core").exists()
+        assert alive(bystander.pid)
+    finally:
+        process_groups.stop_sitting(tag)
+        bystander.kill()
+        bystander.wait()
+
+
+def test_stop_sh_without_a_sitting_says_so(tmp_path: Path) -> None:
+    stop = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "sittings" / "stop.sh")],
+        env={**os.environ, "BENCH_OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stop.returncode == 1 and "no sitting started there" in stop.stderr

@@ -19,12 +19,14 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 def test_fp8_checkpoint_linear_and_moe_methods(
     vllm_layer_context, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from safetensors.torch import save_file
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     # fp8 GPU experts from the checkpoint; BF16 CPU experts from a directory of their own
     # (kt-kernel reads no per-tensor fp8 checkpoint, so KT_METHOD must be given).
-    (tmp_path / "experts.safetensors").write_bytes(b"")
+    expert = torch.zeros(64, 256, dtype=torch.bfloat16)  # the BF16 tensors kt-kernel's BF16 reads
+    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": expert}, str(tmp_path / "experts.safetensors"))
     monkeypatch.setenv("KT_NUM_GPU_EXPERTS", "2")
     monkeypatch.setenv("KT_METHOD", "BF16")
     monkeypatch.setenv("KT_WEIGHT_PATH", str(tmp_path))

@@ -58,10 +58,18 @@ MISTAKES = [
     # (id, env, variable named, value named)
     ("unknown backend", {"KT_BACKEND": "nope"}, "KT_BACKEND", "nope"),
     ("unknown method", {"KT_METHOD": "INT3"}, "KT_METHOD", "INT3"),
+    ("unknown vllm cores", {"KT_VLLM_CORES": "pinned"}, "KT_VLLM_CORES", "pinned"),
     ("negative gpu experts", {"KT_NUM_GPU_EXPERTS": "-1"}, "KT_NUM_GPU_EXPERTS", "-1"),
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
     ("split share of one", {"KT_GPU_PREFILL_SPLIT": "1"}, "KT_GPU_PREFILL_SPLIT", "1"),
     ("fp8 copy not a flag", {"KT_GPU_PREFILL_FP8_COPY": "2"}, "KT_GPU_PREFILL_FP8_COPY", "2"),
+    ("gather window in seconds", {"KT_GPU_PREFILL_GATHER_MS": "30000"}, "KT_GPU_PREFILL_GATHER_MS", "30000"),
+    (
+        "gather with GPU prefill off",
+        {"KT_GPU_PREFILL_GATHER_MS": "30", "KT_GPU_PREFILL_MIN_TOKENS": "0"},
+        "KT_GPU_PREFILL_GATHER_MS",
+        "30",
+    ),
     ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
     ("non-integer threads", {"KT_CPUINFER": "1.5"}, "KT_CPUINFER", "1.5"),
     ("more pools than NUMA nodes", {"KT_THREADPOOL_COUNT": "2"}, "KT_THREADPOOL_COUNT", "2"),
@@ -136,9 +144,12 @@ def test_cache_dir_that_cannot_be_created(tmp_path: Path) -> None:
     assert "cannot create" in str(exc.value)
 
 
-def test_amx_method_accepted_where_amx_exists(with_amx: None, weights_dir: Path) -> None:
-    kt, backend = build({"KT_METHOD": "amxint8", "KT_WEIGHT_PATH": str(weights_dir)})
-    assert (kt.method, backend.name, kt.weight_path) == ("AMXINT8", "kt_kernel", str(weights_dir.resolve()))
+def test_amx_method_accepted_where_amx_exists(with_amx: None, tmp_path: Path) -> None:
+    quantized = tmp_path / "w" / "_layer_0" / "_numa_0"  # kt-kernel's own AMXINT8 files (weight_paths.py)
+    quantized.mkdir(parents=True)
+    (quantized / "INT8_up_0_64Byte_quant_.kt").write_bytes(b"x" * 64)
+    kt, backend = build({"KT_METHOD": "amxint8", "KT_WEIGHT_PATH": str(tmp_path / "w")})
+    assert (kt.method, backend.name, kt.weight_path) == ("AMXINT8", "kt_kernel", str((tmp_path / "w").resolve()))
 
 
 def test_torch_backend_refuses_quantized_checkpoint() -> None:
@@ -279,6 +290,18 @@ def test_gpu_prefill_is_auto_unless_set() -> None:
     )
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
     assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64
+
+
+def test_gather_window_is_30_ms_unless_set() -> None:
+    """KT_GPU_PREFILL_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
+    default stays quiet with GPU prefill off (only a value given is refused there)."""
+
+    def window(env: dict[str, str]) -> float:
+        return KTSettings.from_env(env, cores=4, numa_nodes=1).gpu_prefill_gather_ms
+
+    assert window({}) == 30.0 and window({"KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
+    off = {"KT_GPU_PREFILL_MIN_TOKENS": "0"}
+    assert window(off) == 30.0 and window({**off, "KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
 
 
 def test_dynamic_gpu_experts_are_validated(with_amx: None) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kt_testing.schedulers import build_scheduler, request, scheduler_vllm_config
 
 from vllm_kt_plugin.hybrid.vllm_compat import TOUCHES, Touch
 from vllm_kt_tools.support.moe_layers import build_moe
@@ -30,7 +31,7 @@ def owner_of(touch: Touch) -> object:
 
 
 @pytest.fixture(scope="module")
-def instances(vllm_layer_context) -> dict[str, object]:
+def instances(vllm_layer_context, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One instance of each class whose instance attributes we touch or whose attributes
     the guard below collects, built as a model builds them (plain vLLM, no kt-hybrid: the
     attributes are vLLM's)."""
@@ -38,7 +39,12 @@ def instances(vllm_layer_context) -> dict[str, object]:
 
     plain = build_moe(None)
     fp8 = build_moe(Fp8Config.from_config(dict(BLOCK_FP8)), hidden=256, inter=256).routed_experts
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    scheduler = build_scheduler(Scheduler, scheduler_vllm_config(tmp_path_factory.mktemp("scheduler")))
     return {
+        "Scheduler": scheduler,
+        "Request": request("a", 8),
         "MoERunner": plain,
         "RoutedExperts": plain.routed_experts,
         "ExpertMapManager": plain.routed_experts.expert_map_manager,
@@ -103,6 +109,8 @@ PUBLIC_VLLM_ATTRIBUTES: dict[str, frozenset[str]] = {
             "load_config",
             "compilation_config",
             "max_num_batched_tokens",  # scheduler_config's (VllmConfig has one too)
+            "max_num_scheduled_tokens",  # scheduler_config's (vLLM's Scheduler keeps a copy)
+            "vllm_config",  # our own attribute holding the config (vLLM's Scheduler has one too)
         }
     ),
     # Attributes of the package's own objects whose names vLLM's objects also carry

@@ -14,4 +14,6 @@ per-forward timeline (``timeline``) and dynamic GPU experts (``dynamic_experts``
 by ``observers``. ``process_state`` holds what the layers of a process share; a layer
 reaches it through the Protocol ``contracts.ProcessState``, so nothing below the config,
 the method and the process state imports them. ``shadow`` builds copies of a layer that
-own their weights; ``vllm_compat`` is every vLLM internal we rely on."""
+own their weights; ``vllm_compat`` is every vLLM internal we rely on. Beside the layers,
+vLLM's engine core may load ``scheduler`` by name (``--scheduler-cls``): prompts sent
+together held back into one forward that streams the whole layer (``admission`` decides)."""

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
+    from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
     from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
     from vllm_kt_plugin.hybrid.host_experts import HostExperts
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
@@ -65,9 +66,11 @@ class Forward:
 
 class SplitNeighbour(Protocol):
     """What a split path reads of the next layer's (``split_path.SplitPath``) to prefetch
-    that layer's predicted part into the other staging buffer."""
+    that layer's predicted part into the other staging buffer; and kt-hybrid's scheduler, of
+    every split path, from which size a forward streams the whole layer."""
 
     host: HostExperts | None
+    whole_min_tokens: int  # forwards from this size stage the whole layer (known once probed)
 
     @property
     def by_expert(self) -> bool: ...
@@ -116,6 +119,7 @@ class ProcessState(Protocol):
     # the layers themselves (deferral) and what their observers report to
     recorder: RoutingRecorder
     timeline: Timeline
+    decode_timeline: DecodeTimeline
     swap_log: SwapLog
 
     def add_layer(self, layer: HybridLayer) -> None: ...

@@ -93,3 +93,53 @@ class DeviceClock:
                 if sums.forwards:
                     found[(layer, size)] = sums
         return found
+
+
+@triton.jit
+def _ring_stamp(ring, counter, sizes, row, offset, tokens, ring_steps, opens: tl.constexpr):
+    """Write the GPU's clock into the current step's row of ``ring`` at ``offset``; the first
+    point of a step (``opens``) moves to the next row first and records the batch size."""
+    now = tl.extra.cuda.globaltimer()
+    step = tl.load(counter)
+    if opens:
+        step += 1
+        tl.store(counter, step)
+        tl.store(sizes + step % ring_steps, tokens)
+    tl.store(ring + (step % ring_steps) * row + offset, now)
+
+
+class DeviceRing:
+    """The last ``ring_steps`` steps' points (ns on the GPU's clock), per layer and point,
+    written by one-thread kernels that CUDA graphs capture like any other (so replays record
+    themselves); read between measurements (``read`` synchronizes)."""
+
+    def __init__(self, device: torch.device, layers: list[int], points: int, ring_steps: int) -> None:
+        self.slot_of = {layer: slot for slot, layer in enumerate(sorted(layers))}
+        self.first_layer = min(layers)
+        self.points, self.ring_steps = points, ring_steps
+        self.row = len(layers) * points
+        self.ring = torch.zeros(ring_steps * self.row, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sizes = torch.zeros(ring_steps, dtype=torch.int64, device=device)
+        self.read_upto = 0
+
+    def stamp(self, layer_idx: int, point: int, tokens: int) -> None:
+        offset = self.slot_of[layer_idx] * self.points + point
+        opens = point == 0 and layer_idx == self.first_layer
+        args = (self.ring, self.counter, self.sizes, self.row, offset, tokens, self.ring_steps)
+        _ring_stamp[(1,)](*args, opens=opens, num_warps=1)
+
+    def read(self) -> list[tuple[int, list[list[int]]]]:
+        """The steps written since the last read (at most ``ring_steps``, oldest first): each
+        its batch size and, per layer in decoder order, its points."""
+        torch.cuda.synchronize(self.ring.device)
+        last = int(self.counter.item())
+        ring, sizes = self.ring.view(self.ring_steps, -1).tolist(), self.sizes.tolist()
+        first = max(self.read_upto + 1, last - self.ring_steps + 1)
+        self.read_upto = last
+        steps = []
+        for step in range(first, last + 1):
+            row = ring[step % self.ring_steps]
+            points = [row[i : i + self.points] for i in range(0, self.row, self.points)]
+            steps.append((sizes[step % self.ring_steps], points))
+        return steps

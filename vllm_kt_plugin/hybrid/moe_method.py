@@ -38,7 +38,7 @@ from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.loaded_experts import LoadedExperts
-from vllm_kt_plugin.hybrid.observers import RecordsRouting, RecordsTimeline, TimesLayer
+from vllm_kt_plugin.hybrid.observers import RecordsDecode, RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     ask_for_amx_tiles,
@@ -109,7 +109,7 @@ def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
         )
 
 
-def _cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
+def cuda_graph_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     """Batch sizes vLLM will capture CUDA graphs for (none on CPU or when eager)."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
@@ -141,7 +141,7 @@ def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, c
         revision=model_config.revision,
         download_dir=vllm_config.load_config.download_dir,
         load_format=str(vllm_config.load_config.load_format),
-        cuda_graph_batch_sizes=_cuda_graph_batch_sizes(vllm_config),
+        cuda_graph_batch_sizes=cuda_graph_batch_sizes(vllm_config),
         math=expert_math(layer),
     )
 
@@ -226,7 +226,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             gpu=self.gpu,
             cpu=self.cpu,
             context=context,
-            cuda_graph_batch_sizes=_cuda_graph_batch_sizes(vllm_config),
+            cuda_graph_batch_sizes=cuda_graph_batch_sizes(vllm_config),
             make_shadow_native=functools.partial(_native_for_shadow, context.make_native, prefix),
         )
         self.paths = build_paths(self.parts)
@@ -239,6 +239,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self.observers.append(TimesLayer(metrics, self.layer_idx))
         if self.cpu is not None:
             self.observers.append(RecordsTimeline(context.process.timeline, self.layer_idx))
+            if context.process.decode_timeline.armed:
+                self.observers.append(RecordsDecode(context.process.decode_timeline, self.layer_idx))
         self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
         self.loaded_cpu_experts: LoadedExperts | None = None  # for a backend that takes them so
         self._create_args: dict[str, Any] = {}

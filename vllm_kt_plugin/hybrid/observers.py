@@ -1,6 +1,6 @@
 """Observers of a layer's forwards (``contracts.ForwardObserver``): the routing recorder of
 ``vllm-kt profile``, the per-layer metrics (KT_METRICS_INTERVAL) and the bench's
-per-forward timeline. Dynamic GPU experts
+per-forward and decode timelines. Dynamic GPU experts
 (``dynamic_experts.DynamicExperts``) observe too. A layer subscribes each where it
 applies, once, when it is built or loaded; the forward itself has no branch for any.
 """
@@ -13,6 +13,7 @@ from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, 
 from vllm_kt_plugin.hybrid.metrics import CPU_PATH
 
 if TYPE_CHECKING:
+    from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
     from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
     from vllm_kt_plugin.hybrid.timeline import Timeline
@@ -61,4 +62,19 @@ class RecordsTimeline(ForwardObserver):
         if not timeline.enabled or forward.capturing or forward.tokens < timeline.min_tokens:
             return NO_MARKS
         marks = timeline.layer_marks(self.layer_idx, forward.tokens, path, forward.x.device)
+        return marks if marks is not None else NO_MARKS
+
+
+class RecordsDecode(ForwardObserver):
+    """Stamps the layer's decode-sized CPU-experts forwards into the process's decode timeline
+    (wired only where it was armed at start: its stamps must be in the captured graphs)."""
+
+    def __init__(self, timeline: DecodeTimeline, layer_idx: int) -> None:
+        self.timeline, self.layer_idx = timeline, layer_idx
+        timeline.add_layer(layer_idx)
+
+    def path_taken(self, forward: Forward, path: str) -> StageMarks:
+        if path != CPU_PATH:
+            return NO_MARKS
+        marks = self.timeline.marks(self.layer_idx, forward.x, forward.capturing)
         return marks if marks is not None else NO_MARKS

@@ -5,7 +5,7 @@ It holds the layers in decoder order (deferral asks whether the next layer adds 
 experts; GPU prefill prefetches the next layer's CPU experts, the split the next split
 layer's predicted part), GPU prefill's staging buffers, the split's probed costs, the
 metrics collector, the routing recorder behind ``vllm-kt profile``, the bench's
-per-forward timeline and the log of dynamic expert swaps. vLLM builds one model per worker
+per-forward and decode timelines and the log of dynamic expert swaps. vLLM builds one model per worker
 process, so one object per process is one per model; ``process_state()`` returns it.
 
 It sits above the paths and observers it serves and imports none of them: it knows the
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
 from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
@@ -43,6 +44,7 @@ class HybridProcessState:
         self.split_probe: ProbedCosts | None = None  # the split's cost model, probed once per process
         self.recorder = RoutingRecorder()
         self.timeline = Timeline()  # the bench's per-forward timeline, off unless it asks
+        self.decode_timeline = DecodeTimeline()  # the bench's decode timeline, armed by its variable
         self.swap_log = SwapLog()
         self._staging: dict[torch.device, StagingBuffers] = {}
         self._metrics: HybridMetrics | None = None

@@ -237,6 +237,72 @@ TOUCHES: tuple[Touch, ...] = (
         "(hf_config, text_config) -> get_num_experts(), get_num_experts_per_token()",
     ),
     Touch(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "owner",
+        "the engine core's scheduler; SchedulerConfig.get_scheduler_cls picks it without async scheduling",
+    ),
+    Touch(
+        "vllm.v1.core.sched.async_scheduler",
+        "AsyncScheduler",
+        "owner",
+        "the engine core's scheduler with async scheduling (a Scheduler subclass)",
+    ),
+    Touch(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "schedule",
+        "owner",
+        "schedule(throttle_prefills) builds one step; the engine core calls it once per step",
+    ),
+    Touch(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "running",
+        "instance",
+        "the running batch, a list of Requests",
+    ),
+    Touch(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "waiting",
+        "instance",
+        "a RequestQueue of new and preempted requests, iterable",
+    ),
+    Touch(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "kv_holding_waiting",
+        "instance",
+        "a RequestQueue of waiting requests that hold KV blocks, admitted before any other",
+    ),
+    Touch(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "_pause_state",
+        "instance",
+        "a PauseState; under PAUSED_NEW schedule() admits no request from waiting",
+    ),
+    Touch(
+        "vllm.v1.core.sched.interface",
+        "PauseState",
+        "owner",
+        "UNPAUSED, PAUSED_NEW (running and KV-holding requests only), PAUSED_ALL",
+    ),
+    Touch(
+        "vllm.v1.request:Request",
+        "num_tokens",
+        "instance",
+        "prompt and output tokens so far",
+    ),
+    Touch(
+        "vllm.v1.request:Request",
+        "num_computed_tokens",
+        "instance",
+        "tokens whose KV is computed (0 for a new request)",
+    ),
+    Touch(
+        "vllm.v1.request:Request",
+        "arrival_time",
+        "instance",
+        "time.time() when the front end took the request",
+    ),
+    Touch(
         "torch.cpu",
         "_is_amx_tile_supported",
         "owner",
@@ -584,6 +650,76 @@ def routed_experts_of(layer_name: str) -> RoutedExperts:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import get_layer_from_name
 
     return get_layer_from_name(layer_name).routed_experts  # type: ignore[attr-defined,no-any-return]
+
+
+# --- the engine core's scheduler (hybrid/scheduler.py) ------------------------------------------
+
+
+class SchedulerView:
+    """What kt-hybrid's scheduler reads of vLLM 0.32's ``Scheduler`` before a step
+    (``admission.WaitingQueues``): the running batch is ``running``, new and preempted
+    requests wait in ``waiting``, those holding KV blocks in ``kv_holding_waiting`` (admitted
+    before any other), the pause state is ``_pause_state``; a ``Request`` still has
+    ``num_tokens - num_computed_tokens`` to compute and arrived at ``arrival_time``
+    (``time.time()`` in the front end)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def busy(self) -> int:
+        return len(self.scheduler.running)
+
+    def paused(self) -> bool:
+        from vllm.v1.core.sched.interface import PauseState
+
+        return self.scheduler._pause_state != PauseState.UNPAUSED or bool(self.scheduler.kv_holding_waiting)
+
+    def queued(self) -> list[tuple[int, float]]:
+        return [(r.num_tokens - r.num_computed_tokens, r.arrival_time) for r in self.scheduler.waiting]
+
+
+@contextlib.contextmanager
+def new_requests_held(scheduler: Any) -> Iterator[None]:
+    """vLLM 0.32's ``Scheduler.schedule`` admits no waiting request under the pause state
+    ``PAUSED_NEW`` and still runs the rest of a step (with nothing running: a step of zero
+    tokens, which the engine core's busy loop follows with a 1 ms sleep and a look at its
+    input queue). The state is written directly, and put back: ``set_pause_state`` logs at
+    INFO, which would be one line per millisecond held."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    own = scheduler._pause_state
+    scheduler._pause_state = PauseState.PAUSED_NEW
+    try:
+        yield
+    finally:
+        scheduler._pause_state = own
+
+
+class _HoldsNewRequests:
+    """Put before vLLM's scheduler class: each step asks ``kt_gate`` (set on the instance;
+    None: vLLM's own scheduling) whether to hold new requests back (``new_requests_held``)."""
+
+    kt_gate: Callable[[SchedulerView], bool] | None = None
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        gate = self.kt_gate
+        if gate is None or not gate(SchedulerView(self)):
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+        with new_requests_held(self):
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+
+
+@functools.cache
+def holding_scheduler_class(async_scheduling: bool) -> type:
+    """vLLM 0.32's scheduler class for the engine's mode (``AsyncScheduler`` where it
+    schedules asynchronously: a ``Scheduler`` there would turn async scheduling off, as
+    ``SchedulerConfig.get_scheduler_cls`` warns), with ``_HoldsNewRequests`` before it."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    base = AsyncScheduler if async_scheduling else Scheduler
+    name = "KTHybridAsyncScheduler" if async_scheduling else "KTHybridSyncScheduler"
+    return type(name, (_HoldsNewRequests, base), {"__module__": __name__})
 
 
 # --- what the experts compute -----------------------------------------------------------

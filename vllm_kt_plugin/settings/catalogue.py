@@ -29,11 +29,19 @@ DEFAULT_BACKEND = "kt_kernel"
 # Cores left to vLLM by the default KT_CPUINFER: kt-kernel's spinning workers plus the
 # Python and CUDA-callback threads oversubscribe a fully used CPU (13-26x slower measured).
 RESERVED_CORES = 2
+# KT_VLLM_CORES: where vLLM's threads in kt-kernel's process may run (cpu_backends/kt_kernel/cores.py)
+VLLM_CORES = ("auto", "shared", "free")
 
 # KT_GPU_PREFILL_MIN_TOKENS=auto where the split cannot run (tensor parallelism: the host
 # copy holds each rank's shard): the token count from which one layer's whole-layer GPU
 # prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
 GPU_PREFILL_AUTO_MIN_TOKENS = 2048
+
+# KT_GPU_PREFILL_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
+# the whole layer (~390 ms on the H100 whatever its size, docs/split.md): a lone prompt's first
+# token is late by at most this. The class vLLM loads by name for it (hybrid/scheduler.py).
+GPU_PREFILL_GATHER_MS = 30.0
+GATHERING_SCHEDULER = "vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler"
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
 # this copy equal to it, so KT_METHOD's help can list them without importing kt-kernel).
@@ -367,6 +375,16 @@ VARIABLES: tuple[Variable, ...] = (
         "requested_threads",
     ),
     Variable(
+        "KT_VLLM_CORES",
+        "auto (shared; free is for measuring it, docs/benchmarks.md)",
+        "auto, shared or free",
+        "where vLLM's own threads in kt-kernel's process run: on any core (shared) or only on the cores "
+        "kt-kernel's pinned workers leave free (free)",
+        one_of(VLLM_CORES, "unknown choice"),
+        "auto",
+        "vllm_cores",
+    ),
+    Variable(
         "KT_THREADPOOL_COUNT",
         "1",
         "a positive integer, at most the NUMA node count and at most KT_CPUINFER",
@@ -426,6 +444,17 @@ VARIABLES: tuple[Variable, ...] = (
         auto_flag,
         AUTO,
         "gpu_prefill_fp8_copy",
+    ),
+    Variable(
+        "KT_GPU_PREFILL_GATHER_MS",
+        f"{GPU_PREFILL_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
+        "a number of milliseconds from 0 to 10000 (0 = off); not above 0 with KT_GPU_PREFILL_MIN_TOKENS=0",
+        "while no request runs, kt-hybrid's scheduler holds waiting prompts large enough to stream the whole layer "
+        "up to N ms after the oldest arrived, so that prompts sent together share one forward and its one copy of "
+        "the CPU experts (docs/split.md)",
+        number(0.0, 10000.0),
+        GPU_PREFILL_GATHER_MS,
+        "gpu_prefill_gather_ms",
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",

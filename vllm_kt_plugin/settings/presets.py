@@ -26,6 +26,7 @@ from vllm_kt_plugin.settings.catalogue import GIB, KNOWN_VARIABLES, KT_METHODS, 
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.variables import KTSettings, parse_variable
+from vllm_kt_plugin.source_checkout import checkout_path
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -76,7 +77,7 @@ def preset_dir() -> Path:
     try:
         return Path(str(importlib.resources.files("vllm_kt_plugin.configs")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "configs"
+        return checkout_path("configs", needed_by="KT_CONFIG")
 
 
 def preset_files(directory: Path | None = None) -> list[Path]:

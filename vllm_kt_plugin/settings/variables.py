@@ -8,6 +8,7 @@ weights. Presets and the routing profile are composed on top by ``settings.loade
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -26,12 +27,18 @@ def check_cache_dir(path: str) -> str:
     return str(parse_variable({"KT_CACHE_DIR": path}, "KT_CACHE_DIR"))
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (affinity and cgroup-pinned sets respected)."""
+@functools.cache
+def process_cores() -> tuple[int, ...]:
+    """The cores this process may run on (affinity and cgroup-pinned sets respected), as it
+    started: KT_VLLM_CORES=free narrows the threads' affinity later."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(process_cores())
 
 
 def numa_node_count() -> int:
@@ -137,6 +144,7 @@ class KTSettings:
     cpuinfer_threads: int = 1
     requested_threads: int | None = _unset("KT_CPUINFER")  # as given; None: divided from the usable cores
     threadpool_count: int = _unset("KT_THREADPOOL_COUNT")
+    vllm_cores: str = _unset("KT_VLLM_CORES")
     chunked_prefill_size: int | None = _unset("KT_CHUNKED_PREFILL_SIZE")
     max_deferred_experts_per_token: int = _unset("KT_MAX_DEFERRED_EXPERTS_PER_TOKEN")
     cache_dir: str = _unset("KT_CACHE_DIR")
@@ -151,6 +159,7 @@ class KTSettings:
     gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
     gpu_prefill_split: float | None = _unset("KT_GPU_PREFILL_SPLIT")  # None: auto; a share: forced split
     gpu_prefill_fp8_copy: bool | None = None  # GPU prefill's host copy in block FP8; None: auto
+    gpu_prefill_gather_ms: float = _unset("KT_GPU_PREFILL_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
@@ -199,6 +208,13 @@ class KTSettings:
                 "1",
                 "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy",
                 "0 (or unset) with GPU prefill off; with KT_GPU_PREFILL_MIN_TOKENS auto or a number, the FP8 copy",
+            )
+        if prefill == 0 and values["gpu_prefill_gather_ms"] and (env.get("KT_GPU_PREFILL_GATHER_MS") or "").strip():
+            raise KTConfigError(
+                "KT_GPU_PREFILL_GATHER_MS",
+                env["KT_GPU_PREFILL_GATHER_MS"],
+                "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so no forward streams the whole layer",
+                "0 (or unset) with GPU prefill off",
             )
         return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
 

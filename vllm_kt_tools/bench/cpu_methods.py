@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kt_plugin.source_checkout import checkout_path
 from vllm_kt_tools.support.child import run_child
 
 SHAPE = {"num_experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}  # Qwen3-30B-A3B's MoE layer
@@ -281,7 +282,9 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-README_START, README_END = "<!-- cpu-methods:start -->", "<!-- cpu-methods:end -->"
+# docs/cpu-methods.md's table, between these markers (the README links it).
+DOC = ("docs", "cpu-methods.md")
+TABLE_START, TABLE_END = "<!-- cpu-methods:start -->", "<!-- cpu-methods:end -->"
 # Which CPUs load each variant (kt_kernel._cpu_detect's feature requirements).
 VARIANT_CPUS = {
     "amx": "Xeon Sapphire Rapids and newer",
@@ -293,12 +296,12 @@ VARIANT_CPUS = {
 }
 
 
-def readme_section(report: dict[str, Any], source: str) -> str:
-    """README's table of the measurement (between its markers): ms per layer at batch 1 / 16,
-    the fastest at batch 1 in bold."""
+def doc_table(report: dict[str, Any], source: str) -> str:
+    """docs/cpu-methods.md's table of the measurement (between its markers): ms per layer at
+    batch 1 / 16, the fastest at batch 1 in bold."""
     names = [name for name, _, _ in METHODS]
     lines = [
-        README_START,
+        TABLE_START,
         f"<!-- generated: python -m vllm_kt_tools.bench.cpu_methods {source} -->",
         "| kt-kernel variant (CPUs) | " + " | ".join(names) + " |",
         "| --- |" + " --- |" * len(names),
@@ -314,24 +317,25 @@ def readme_section(report: dict[str, Any], source: str) -> str:
             cell = f"{row['batch_1_ms']:.2f} / {row['batch_16_ms']:.1f}"
             cells.append(f"**{cell}**" if name == best else cell)
         lines.append(f"| `{variant}` ({VARIANT_CPUS[variant]}) | " + " | ".join(cells) + " |")
-    lines.append(README_END)
+    lines.append(TABLE_END)
     return "\n".join(lines)
 
 
-def replace_readme_section(readme: str, report: dict[str, Any], source: str) -> str:
-    start, end = readme.index(README_START), readme.index(README_END) + len(README_END)
-    return readme[:start] + readme_section(report, source) + readme[end:]
+def replace_doc_table(doc: str, report: dict[str, Any], source: str) -> str:
+    start, end = doc.index(TABLE_START), doc.index(TABLE_END) + len(TABLE_END)
+    return doc[:start] + doc_table(report, source) + doc[end:]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write the README table of a committed measurement (the path, relative to the repository)."""
+    """Write docs/cpu-methods.md's table of a committed measurement (its path in the checkout)."""
     import sys
 
     source = (argv if argv is not None else sys.argv[1:])[0]
-    root = Path(__file__).resolve().parents[2]
-    readme = root / "README.md"
-    readme.write_text(replace_readme_section(readme.read_text(), json.loads((root / source).read_text()), source))
-    print(f"wrote {readme}")
+    command = "python -m vllm_kt_tools.bench.cpu_methods"
+    doc = checkout_path(*DOC, needed_by=command)
+    report = json.loads(checkout_path(source, needed_by=command).read_text())
+    doc.write_text(replace_doc_table(doc.read_text(), report, source))
+    print(f"wrote {doc}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench import decode_timeline, routing
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec
 from vllm_kt_tools.bench.peers import engine_kwargs
 from vllm_kt_tools.bench.report import large_forwards, layer_metrics
@@ -102,11 +102,15 @@ def run_engine(**fields: Any) -> dict[str, Any]:
 
         return (*decode_repeats(pair, spec.decode_repeats), tokens)
 
-    rates_bs1, discarded_bs1, tokens_bs1 = decode_rates(1, seed=1)
-    rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
-    long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
-    # each prefill's forwards, layer by layer, under its measurement's name (kt-hybrid only)
+    # each prefill's forwards, layer by layer, under its measurement's name; the decode steps (kt-hybrid only)
     timeline = EngineTimeline(llm, min(MIN_TOKENS, prefill_len)) if spec.system == "kt-hybrid" else NoTimeline()
+    timeline.collect_decode()  # forget the start-up's forwards
+    rates_bs1, discarded_bs1, tokens_bs1 = decode_rates(1, seed=1)
+    decode_steps = {"1": decode_timeline.summarize(timeline.collect_decode(), 1)}
+    rates_bs16, discarded_bs16, _ = decode_rates(16, seed=2)
+    decode_steps["16"] = decode_timeline.summarize(timeline.collect_decode(), 16)
+    decode_steps = {batch: summary for batch, summary in decode_steps.items() if summary is not None}
+    long_len = min(LONG_PROMPT_TOKENS, llm.llm_engine.model_config.max_model_len - 2)
 
     def prefill(label: str, count: int, length: int, seed: int) -> float:
         timeline.mark(label)
@@ -135,6 +139,7 @@ def run_engine(**fields: Any) -> dict[str, Any]:
         "sampling": {"temperature": spec.temperature, "engine_seed": 0},
         "routing": routed,
         **({"timeline": timeline_record(steps, split_costs)} if steps else {}),
+        **({"decode_timeline": decode_steps} if decode_steps else {}),
     }
 
 
@@ -219,6 +224,8 @@ def run_in_child(spec: RunSpec, log_dir: Path, timeout_s: int) -> dict[str, Any]
     print(f"[bench] {spec.name}: done in {time.perf_counter() - started:.0f} s: {_summary(result)}", flush=True)
     for step in result.get("timeline", {}).get("summary", []):
         print(f"[bench] {spec.name}: {describe(step)}", flush=True)
+    for batch, summary in result.get("decode_timeline", {}).items():
+        print(f"[bench] {spec.name}: {decode_timeline.describe(int(batch), summary)}", flush=True)
     return result
 
 

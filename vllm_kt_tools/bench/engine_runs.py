@@ -10,8 +10,9 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import GIB
+from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER, GIB
 from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench.decode_timeline import ARMED_ENV
 from vllm_kt_tools.bench.peers import offload_gb, prefetch_sweep, uva_engine_args
 from vllm_kt_tools.bench.shapes import CHECKPOINTS, ModelSizes
 
@@ -49,6 +50,19 @@ class RunSpec:
 
 
 PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-off-check
+GATHER = "gather"  # --gather-check: kt-hybrid's scheduler (--scheduler-cls), at a window or the default
+
+
+def gather_runs(first: dict[str, Any], windows: tuple[float | None, ...]) -> list[RunSpec]:
+    """The first kt-hybrid run again behind kt-hybrid's scheduler, once per window
+    (KT_GPU_PREFILL_GATHER_MS; None: the plugin's default), named ``gather`` or ``gather-30ms``."""
+    runs = []
+    for window in windows:
+        env = dict(first["env"]) if window is None else {**first["env"], "KT_GPU_PREFILL_GATHER_MS": f"{window:g}"}
+        engine_args = {**first["engine_args"], "scheduler_cls": GATHERING_SCHEDULER}
+        name = GATHER if window is None else f"{GATHER}-{window:g}ms"
+        runs.append(RunSpec(**{**first, "env": env, "engine_args": engine_args, "variant": name}))
+    return runs
 
 
 def system_order(args: argparse.Namespace) -> list[str]:
@@ -114,6 +128,8 @@ def plan_runs(
         weight_path = {"KT_WEIGHT_PATH": expert_files} if own_method is not None and expert_files else {}
         for method in methods:
             env = {"KT_METHOD": method, "KT_NUM_GPU_EXPERTS": str(n_gpu), **weight_path, **dict(args.kt_env)}
+            if getattr(args, "decode_timeline", False):  # armed at start: its stamps go into the CUDA graphs
+                env.update(ARMED_ENV)
             if args.cpuinfer:
                 env["KT_CPUINFER"] = str(args.cpuinfer)
             gb = round(sizes.gpu_weight_bytes(n_gpu) / GIB, 2)
@@ -124,9 +140,11 @@ def plan_runs(
         variants = list(args.variant)
         if args.prefill_off_check:
             variants.insert(0, PREFILL_OFF)
-        names = [name for name, _ in variants]
-        if len(set(names)) < len(names):
-            raise SystemExit(f"--variant: each name once (their logs and JSON entries go by it), got {names}")
         for name, settings in variants if first else ():
             runs.append(RunSpec(**{**first, "env": {**first["env"], **settings}, "variant": name}))
+        if first and getattr(args, "gather_check", None):
+            runs += gather_runs(first, args.gather_check)
+        names = [run.variant for run in runs if run.system == "kt-hybrid" and run.variant]
+        if len(set(names)) < len(names):
+            raise SystemExit(f"--variant: each name once (their logs and JSON entries go by it), got {names}")
     return sorted(runs, key=lambda run: order.index(run.system))  # as listed: a cut sitting keeps the first

@@ -9,6 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from vllm_kt_plugin.source_checkout import checkout_root
 from vllm_kt_tools.support.gpu_memory import gpu_facts
 
 
@@ -29,7 +30,9 @@ def project_commit() -> str | None:
         return os.environ[COMMIT_VARIABLE]
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    root = checkout_root()
+    if root is None:  # an installed wheel: no git tree to ask
+        return None
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True

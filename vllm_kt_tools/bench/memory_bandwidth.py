@@ -24,6 +24,7 @@ import math
 import time
 from typing import Any
 
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import part_bytes
 from vllm_kt_tools.bench.routing import expected_distinct
 
 BUFFER_BYTES = 2 << 30  # about seven times the largest L3 seen on a lent host (300 MiB)
@@ -68,11 +69,8 @@ def expert_bytes(method: str, hidden: int, inter: int) -> int | None:
     fp32 scale per output row (kt-kernel's ``*_scale_.kt`` files: 512 bytes for 128 rows of
     a 128 x 128 matrix whose INT4 ``*_quant_.kt`` holds 8,192), FP8 one per 128 x 128 block."""
     params = 3 * hidden * inter
-    row_scales = 4 * (2 * inter + hidden)
-    if method == "AMXINT4":
-        return params // 2 + row_scales
-    if method == "AMXINT8":
-        return params + row_scales
+    if method in ("AMXINT4", "AMXINT8"):
+        return sum(part_bytes(method, hidden, inter, pools=1).values())
     if method == "BF16":
         return 2 * params
     if method == "FP8":

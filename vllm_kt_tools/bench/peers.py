@@ -216,6 +216,10 @@ class SglangKt:
             self.attention_backend,
             "--sampling-backend",
             self.sampling_backend,
+            # its default grammar backend, llguidance, cannot build from the bench model's WordPiece
+            # tokenizer and kills the scheduler at start (2026-12-06); the bench asks for no grammar
+            "--grammar-backend",
+            "none",
             "--kt-weight-path",
             self.weight_path,
             "--kt-method",

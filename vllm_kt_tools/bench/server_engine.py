@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench import decode_timeline, routing
 from vllm_kt_tools.bench.engine_child import (
     MODEL_LOAD_RE,
     TTFT_SEEDS,
@@ -80,20 +80,30 @@ def complete(base_url: str, prompt: list[int], max_tokens: int, seed: int | None
     return int(answer["usage"]["completion_tokens"])
 
 
-def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float) -> float:
+def timed_requests(
+    base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float
+) -> tuple[float, list[float]]:
     """Seconds for all ``prompts`` sent at once (one request each, seeds ``seed``,
-    ``seed + 1``, ..., or none) to come back; each must have generated ``max_tokens``."""
+    ``seed + 1``, ..., or none) to come back, and each one's seconds from the start (with one
+    token asked: its time to first token); each must have generated ``max_tokens``."""
     started = time.perf_counter()
+
+    def one(i: int, prompt: list[int]) -> tuple[int, float]:
+        generated = complete(base_url, prompt, max_tokens, None if seed is None else seed + i, timeout_s)
+        return generated, time.perf_counter() - started
+
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        futures = [
-            pool.submit(complete, base_url, prompt, max_tokens, None if seed is None else seed + i, timeout_s)
-            for i, prompt in enumerate(prompts)
-        ]
-        generated = [future.result() for future in futures]
+        answers = [future.result() for future in [pool.submit(one, i, p) for i, p in enumerate(prompts)]]
     seconds = time.perf_counter() - started
+    generated = [n for n, _ in answers]
     if any(n != max_tokens for n in generated):
         raise RuntimeError(f"asked {max_tokens} tokens per request (ignore_eos), the server generated {generated}")
-    return seconds
+    return seconds, [s for _, s in answers]
+
+
+def timed_batch(base_url: str, prompts: list[list[int]], max_tokens: int, seed: int | None, timeout_s: float) -> float:
+    """``timed_requests``' seconds for the whole batch."""
+    return timed_requests(base_url, prompts, max_tokens, seed, timeout_s)[0]
 
 
 def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline: Timeline | None = None) -> None:
@@ -116,20 +126,29 @@ def measure(base_url: str, work: ServerWorkload, into: dict[str, Any], timeline:
 
         return decode_repeats(pair, work.decode_repeats)
 
-    into.update(decode_summary("decode_bs1", *rates(1, seed=1)))
-    into.update(decode_summary("decode_bs16", *rates(16, seed=2)))
+    timeline.collect_decode()  # forget the start-up's forwards
+    for batch, seed in ((1, 1), (16, 2)):
+        into.update(decode_summary(f"decode_bs{batch}", *rates(batch, seed=seed)))
+        decode_steps = decode_timeline.summarize(timeline.collect_decode(), batch)  # armed: --decode-timeline
+        if decode_steps is not None:
+            into.setdefault("decode_timeline", {})[str(batch)] = decode_steps
     prefill_len = min(work.prefill_len, work.max_model_len - 2)
     # Prefills go unseeded: their one sampled token routes nothing that matters, and vLLM 0.32's CPU
     # build fails a seeded request whose prompt is chunked ("CPU Generator does not use offset").
     # The prompts are the engine mode's (same seeds).
 
     def prefill(label: str, count: int, length: int, seed: int) -> float:
+        return prefill_requests(label, count, length, seed)[0]
+
+    def prefill_requests(label: str, count: int, length: int, seed: int) -> tuple[float, list[float]]:
         timeline.mark(label)
-        return timed_batch(base_url, random_prompts(count, length, work.vocab, seed), 1, None, work.timeout_s)
+        return timed_requests(base_url, random_prompts(count, length, work.vocab, seed), 1, None, work.timeout_s)
 
     prefill(f"8 x {prefill_len} warm-up", 8, prefill_len, 3)
-    prefill_s = prefill(f"8 x {prefill_len}", 8, prefill_len, 4)
+    prefill_s, firsts = prefill_requests(f"8 x {prefill_len}", 8, prefill_len, 4)
     into.update(prefill_tok_s=round(8 * prefill_len / prefill_s, 1), prefill_prompt_tokens=prefill_len)
+    # each prompt's first token (one asked), from when the 8 were sent: what holding them costs
+    into.update(prefill_ttft_mean_s=round(statistics.mean(firsts), 4), prefill_ttft_max_s=round(max(firsts), 4))
     ttft_s = statistics.median(prefill(f"one {prefill_len} alone, seed {s}", 1, prefill_len, s) for s in TTFT_SEEDS)
     into["ttft_one_prompt_s"] = round(ttft_s, 4)
     long_len = min(work.long_len, work.max_model_len - 2)
@@ -182,4 +201,6 @@ def server_engine_run(
     print(f"[bench] {name}: done in {time.perf_counter() - started:.0f} s: {outcome}", flush=True)
     for step in result.get("timeline", {}).get("summary", []):
         print(f"[bench] {name}: {describe(step)}", flush=True)
+    for batch, summary in result.get("decode_timeline", {}).items():
+        print(f"[bench] {name}: {decode_timeline.describe(int(batch), summary)}", flush=True)
     return result

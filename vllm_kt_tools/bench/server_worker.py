@@ -5,8 +5,8 @@
 builds the model, and that is when the routing recorder must attach to the MoE routers: so
 importing this module installs it. ``/collective_rpc`` takes only a method's name (and
 string arguments), so the extension gives the worker one method per thing the bench reads
-there: the recorder's sums, and kt-hybrid's per-forward timeline and split probe
-(``bench/timeline.py``)."""
+there: the recorder's sums, kt-hybrid's per-forward timeline and split probe
+and its decode timeline (``bench/timeline.py``)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,6 @@ class BenchWorkerExtension:
 
     def kt_bench_split_costs(self) -> dict[str, Any] | None:
         return timeline.split_costs_in_worker(self)
+
+    def kt_bench_decode_timeline_collect(self) -> list[dict[str, Any]]:
+        return timeline.decode_collect_in_worker(self)

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
+# The set benchmarks/sglang-bundle.sh downloads: ktransformers[sglang]==KTRANSFORMERS_VERSION
+KTRANSFORMERS_VERSION = "0.7.2"
 # sgl_kernel's loader takes sm90/ on compute capability 9.0 (sgl_kernel/load_utils.py)
 REQUIRED_FILES = ("sgl_kernel/sm90/common_ops.abi3.so",)
 PAYLOAD_MANIFEST = "sgl_kernel/_payload_manifest.py"

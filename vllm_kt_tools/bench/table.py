@@ -3,7 +3,8 @@ figure in it is typed by hand (``python -m vllm_kt_tools.bench.table RESULT.json
 test keeps the README's table equal to this output for the JSON it names).
 
 One row per engine run (and per server run of ``--server-engine``), in the JSON's order;
-a figure the run did not measure is "n/a", a run that failed says so. Below them, where the
+a figure the run did not measure is "n/a", a run that failed says so (unless a later run of
+the same system and variant measured it: the sitting's retry). Below them, where the
 sitting recorded them, the decode limit of the host's memory bandwidth and bare kt-kernel's
 own rate, so that the engine figures are read against both."""
 
@@ -89,8 +90,19 @@ def _host_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _retried(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs less each failed one that a later run of the same system, method and variant
+    measured (a sitting's retry, ``--append``); the JSON keeps both."""
+    key = lambda run: (run["system"], run.get("method"), run.get("variant"))  # noqa: E731
+    return [
+        run
+        for i, run in enumerate(runs)
+        if "error" not in run or not any(key(later) == key(run) and "error" not in later for later in runs[i + 1 :])
+    ]
+
+
 def _rows(report: dict[str, Any]) -> list[list[str]]:
-    return [*(_cells(run) for run in sitting_runs(report)), *_host_rows(report)]
+    return [*(_cells(run) for run in _retried(sitting_runs(report))), *_host_rows(report)]
 
 
 def _table(rows: list[list[str]]) -> str:

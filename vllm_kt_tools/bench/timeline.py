@@ -21,6 +21,7 @@ from typing import Any
 MIN_TOKENS = 256
 ENABLE_RPC, COLLECT_RPC = "kt_bench_timeline_enable", "kt_bench_timeline_collect"
 SPLIT_COSTS_RPC = "kt_bench_split_costs"
+DECODE_COLLECT_RPC = "kt_bench_decode_timeline_collect"  # the decode timeline: bench/decode_timeline.py
 
 
 def enable_in_worker(worker: Any = None, label: str = "", min_tokens: int | str = MIN_TOKENS) -> None:
@@ -37,6 +38,13 @@ def collect_in_worker(worker: Any = None) -> list[dict[str, Any]]:
     timeline = process_state().timeline
     timeline.disable()
     return timeline.collect()
+
+
+def decode_collect_in_worker(worker: Any = None) -> list[dict[str, Any]]:
+    """The worker's decode steps since the last read (``hybrid.decode_timeline.step_rows``)."""
+    from vllm_kt_plugin.hybrid.process_state import process_state
+
+    return process_state().decode_timeline.collect()
 
 
 def split_costs_in_worker(worker: Any = None) -> dict[str, Any] | None:
@@ -68,6 +76,9 @@ class EngineTimeline:
     def split_costs(self) -> dict[str, Any] | None:
         return self.llm.collective_rpc(split_costs_in_worker)[0]
 
+    def collect_decode(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc(decode_collect_in_worker)[0])
+
 
 class ServerTimeline:
     """The timeline of a ``vllm serve`` the bench started with its worker extension."""
@@ -93,6 +104,9 @@ class ServerTimeline:
     def split_costs(self) -> dict[str, Any] | None:
         return self._rpc(SPLIT_COSTS_RPC)
 
+    def collect_decode(self) -> list[dict[str, Any]]:
+        return list(self._rpc(DECODE_COLLECT_RPC))
+
 
 class NoTimeline:
     """Runs without kt-hybrid: nothing to record."""
@@ -105,6 +119,9 @@ class NoTimeline:
 
     def split_costs(self) -> dict[str, Any] | None:
         return None
+
+    def collect_decode(self) -> list[dict[str, Any]]:
+        return []
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:

@@ -19,8 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import GIB, SETTINGS_PREFIX, cache_root
+from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER, GIB, SETTINGS_PREFIX, cache_root
 from vllm_kt_tools.bench import routing
+from vllm_kt_tools.bench.decode_timeline import add_limits
 from vllm_kt_tools.bench.engine_child import max_positions, run_in_child
 from vllm_kt_tools.bench.engine_runs import LONG_PROMPT_TOKENS, RunSpec, plan_runs, system_order
 from vllm_kt_tools.bench.host import host_info
@@ -132,6 +133,7 @@ def run_sitting(args: argparse.Namespace) -> dict[str, Any]:
     for spec in runs:
         wait_until_free(spec.name)
         report["runs"].append(run_in_child(spec, log_dir, args.timeout))
+        add_limits(report["runs"][-1], report)
         save(report, args.out)
     record_prefetch_sweep(report)
     hybrid = best_hybrid(report["runs"])
@@ -324,6 +326,7 @@ def run_server_engine(
             )
             record = served_run_record(spec)
             run = server_engine_run(server, f"server-{spec.name}", record, work, routed, load, spec.model)
+            add_limits(run, report)
             section["runs"].append(run)
             save(report, args.out)
 
@@ -447,6 +450,16 @@ def _sglang_points(text: str) -> tuple[str | tuple[int, int], ...]:
     return tuple(points)
 
 
+def _gather_windows(text: str) -> tuple[float, ...]:
+    try:
+        windows = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        windows = ()
+    if not windows or any(not 0 < w <= 10000 for w in windows):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds in (0, 10000], e.g. 30 or 15,30,60")
+    return windows
+
+
 def _load_spec(text: str) -> tuple[int, int]:
     prompts, _, concurrency = text.partition(":")
     try:
@@ -546,12 +559,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the first method with these KT_* settings, as run NAME (repeatable)",
     )
     parser.add_argument(
+        "--gather-check",
+        nargs="?",
+        const=(None,),
+        type=_gather_windows,
+        metavar="MS[,MS]",
+        help="also run the first method behind kt-hybrid's scheduler (--scheduler-cls "
+        f"{GATHERING_SCHEDULER}: prompts sent together share one forward), as run gather at the plugin's "
+        "KT_GPU_PREFILL_GATHER_MS, or as gather-<MS>ms at each window given",
+    )
+    parser.add_argument(
         "--kt-env",
         type=_env_pair,
         action="append",
         default=[],
         metavar="KT_NAME=VALUE",
         help="a KT_* setting for every kt-hybrid run (repeatable), recorded under the run's env",
+    )
+    parser.add_argument(
+        "--decode-timeline",
+        action="store_true",
+        help="record kt-hybrid's decode steps layer by layer (submit, GPU experts, wait for the CPU, the rest), "
+        "a summary per batch size against the host's limit in the JSON's decode_timeline (stamps inside the "
+        "CUDA graphs: a few kernels per layer)",
     )
     parser.add_argument("--workdir", default=str(cache_root() / "bench"))
     parser.add_argument("--out", default="benchmarks/results/bench.json", help="JSON path (PNG beside it)")

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, CheckpointFormat, Diagnostic
+from vllm_kt_plugin.cpu_backends.kt_kernel.cores import resolved_vllm_cores
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.serve_checks import check_serving
 from vllm_kt_plugin.planning.gpu_budget import measured_device_capability
-from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB
+from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB, RESERVED_CORES
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
@@ -123,14 +124,24 @@ def check_settings(
         return errors or [Diagnostic("settings", OK, settings.describe())], settings
 
 
-def check_threads(threads: int, cores: int, share: HostShare = ALONE) -> Diagnostic:
+def check_threads(
+    threads: int, cores: int, share: HostShare = ALONE, vllm_cores: str = "shared", *, by_default: bool = False
+) -> Diagnostic:
+    """kt-kernel's threads against the cores (``by_default``: KT_CPUINFER unset, the rule's
+    choice), and where vLLM's own threads beside them run (KT_VLLM_CORES as resolved)."""
     slow = oversubscription(threads, cores, share)
     if slow is not None:
         return Diagnostic("threads", WARN, slow)
     used = threads * share.ranks
     each = f" in each of {share.ranks} kt-kernel processes (one per pipeline stage)" if share.ranks > 1 else ""
+    if by_default:
+        each += f" (the default: usable cores - {RESERVED_CORES})"
+    where = "only on the cores kt-kernel leaves free" if vllm_cores == "free" else "on any core"
     return Diagnostic(
-        "threads", OK, f"KT_CPUINFER={threads}{each} of {cores} usable cores ({cores - used} left for vLLM)"
+        "threads",
+        OK,
+        f"KT_CPUINFER={threads}{each} of {cores} usable cores ({cores - used} left for vLLM); vLLM's threads in "
+        f"kt-kernel's process run {where} (KT_VLLM_CORES={vllm_cores})",
     )
 
 
@@ -290,7 +301,13 @@ def run_checks(
         *([model_error] if model_error else []),
         *serve,
         *([check_parallel(tensor_parallel_size, pipeline_parallel_size, share)] if share.ranks > 1 else []),
-        check_threads(settings.cpuinfer_threads, system.usable_cores, share),
+        check_threads(
+            settings.cpuinfer_threads,
+            system.usable_cores,
+            share,
+            resolved_vllm_cores(settings),
+            by_default=settings.requested_threads is None,
+        ),
         check_numa(settings.threadpool_count, system.numa_nodes, settings.cpuinfer_threads),
         *check_versions(system.versions, settings.backend),
         *diagnostics,
@@ -316,7 +333,9 @@ def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
 
 def format_report(verdicts: Sequence[Diagnostic]) -> str:
     width = max(len(v.check) for v in verdicts)
-    lines = [f"{v.level:<5}  {v.check:<{width}}  {v.reason}" for v in verdicts]
+    # a reason of several lines (the methods line's table) continues under its first
+    indent = "\n" + " " * (5 + 2 + width + 2)
+    lines = [f"{v.level:<5}  {v.check:<{width}}  {indent.join(v.reason.splitlines())}" for v in verdicts]
     errors = sum(v.level == ERROR for v in verdicts)
     warnings = sum(v.level == WARN for v in verdicts)
     lines.append(f"{errors} error(s), {warnings} warning(s)")

@@ -9,11 +9,13 @@ children), so a system gets a session of its own (``start_new_session``: its pid
 and session id) and is stopped by group: SIGTERM, a grace period, then SIGKILL to whatever
 is left — processes that moved to another group of the same session included (found by
 session id in /proc). ``install_handlers`` makes SIGTERM, SIGINT and interpreter exit do the
-same for every group still running.
+same for every group still running. A whole sitting is stopped by its tag
+(``stop_sitting``), which every process it starts inherits.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import os
@@ -119,3 +121,68 @@ def install_handlers() -> None:
     signal.signal(signal.SIGINT, _on_signal)
     atexit.register(stop_all)
     _installed = True
+
+
+# A sitting exports a tag that every process it starts inherits, new sessions included: stopping
+# by the tag's sessions finds an engine child early in its start, which the sitting's own session
+# or a name pattern misses (benchmarks/sittings/stop.sh, 2026-12-06).
+SITTING_VARIABLE = "VLLM_KT_SITTING"
+
+
+def tagged(tag: str) -> list[int]:
+    """Live pids whose environment carries ``VLLM_KT_SITTING=tag`` (this process excluded)."""
+    marker = f"{SITTING_VARIABLE}={tag}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        pid = int(environ.parent.name)
+        try:
+            if pid != os.getpid() and marker in environ.read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return [pid for pid in found if _session_of(pid) is not None]
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else int(fields[3])
+
+
+def stop_sitting(tag: str, settle_s: float = 30.0) -> list[int]:
+    """Stop every process of the sitting ``tag``, and the rest of each session one of them is
+    in: all of them stopped first (SIGSTOP: none can start another meanwhile), then killed,
+    again until none is left. Returns the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        sessions = {sid for pid in tagged(tag) if (sid := _session_of(pid)) is not None}
+        sessions.discard(os.getsid(0))  # never the caller's own session
+        found = sorted({*tagged(tag), *(pid for sid in sessions for pid in members(sid))} - {os.getpid()})
+        if not found:
+            return killed
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in found:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+        killed += found
+        time.sleep(0.2)
+    raise RuntimeError(f"processes of sitting {tag} still alive after {settle_s:.0f} s: {tagged(tag)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Stop a whole sitting by its tag (benchmarks/sittings/stop.sh).")
+    parser.add_argument("tag", help=f"the sitting's {SITTING_VARIABLE}")
+    tag = parser.parse_args().tag
+    killed = stop_sitting(tag)
+    print(
+        f"stop: sitting {tag}: {len(killed)} process(es) killed"
+        + (f" ({' '.join(map(str, killed))})" if killed else "")
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -12,8 +12,14 @@ import sys
 from pathlib import Path
 
 from vllm_kt_plugin.settings.catalogue import KT_KERNEL_OWN_VARIABLES, VARIABLES
+from vllm_kt_plugin.source_checkout import checkout_path
+from vllm_kt_tools.support import weight_matrix
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+
+def doc_path() -> Path:
+    """docs/settings.md of the source checkout."""
+    return checkout_path("docs", "settings.md", needed_by="python -m vllm_kt_tools.support.settings_doc")
+
 
 HEADER = """\
 # Settings
@@ -25,6 +31,32 @@ kt-hybrid reads these `KT_*` environment variables where `vllm serve` starts (vL
 them to its workers). A `KT_CONFIG` preset sets several at once; a variable set in the
 environment wins over the preset. Every value is checked once, at config time, before any
 weight loads: a mistake is one line naming the variable, its value and what is allowed.
+
+"""
+
+
+WEIGHT_PATHS = """
+## KT_WEIGHT_PATH and KT_METHOD
+
+What serve does with each kind of `KT_WEIGHT_PATH` under each `KT_METHOD` that kt-kernel
+0.7.2's x86 builds carry a kernel for (whether this CPU's build has it is checked first, and
+refused on its own). Generated from the cases `tests/unit/test_weight_paths.py` runs
+(`vllm_kt_tools/support/weight_matrix.py`): every pair either serves or stops at config time,
+before any weight loads, with one line naming what the path holds, what the method reads and
+what to do; `vllm-kt doctor --model DIR` says the same line. The check reads file names and
+safetensors/GGUF headers only. For example, the report that started it (AMXINT8 on a tiny
+Qwen3-MoE, `KT_WEIGHT_PATH` its own folder), where kt-kernel once failed in a worker with
+`No experts found for key blk.0`:
+
+```
+{reported}
+```
+
+Methods: {methods}. Unset, each method reads its default: `BF16`, `FP8` and the other
+checkpoint methods the model's own folder (the method must be the checkpoint's own);
+`AMXINT4`/`AMXINT8` quantize a BF16/FP16 checkpoint at the first start into `KT_CACHE_DIR`;
+`LLAMAFILE` needs a path. A converted folder must also hold every MoE layer of the model,
+every expert of the model's sizes, for `KT_THREADPOOL_COUNT` NUMA parts.
 
 """
 
@@ -41,13 +73,17 @@ def render() -> str:
         "\nkt-kernel reads variables of its own that share the prefix; kt-hybrid passes them by "
         f"and warns about no other unknown `KT_*` name: {own}.\n"
     )
-    return HEADER + "\n".join(rows) + "\n" + footer
+    matrix = WEIGHT_PATHS.replace("{methods}", ", ".join(f"`{m}`" for m in weight_matrix.METHODS)).replace(
+        "{reported}", weight_matrix.REPORTED.format(path="/m")
+    )
+    return HEADER + "\n".join(rows) + "\n" + footer + matrix + weight_matrix.render()
 
 
 def main() -> int:
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(render())
-    print(f"wrote {DOC}", file=sys.stderr)
+    doc = doc_path()
+    doc.parent.mkdir(exist_ok=True)
+    doc.write_text(render())
+    print(f"wrote {doc}", file=sys.stderr)
     return 0
 
 

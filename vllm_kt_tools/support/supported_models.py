@@ -28,12 +28,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "docs" / "model_checks"
+from vllm_kt_plugin.source_checkout import checkout_path
+
+COMMAND = "python -m vllm_kt_tools.support.supported_models"
 README_START, README_END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 _MOE_LAYER = re.compile(r"\b(?:Shared)?FusedMoE\w*\(")
 _MODULE_IMPORT = re.compile(r"^from (?:\.|vllm\.model_executor\.models\.)(\w+) import", re.MULTILINE)
-_E2E_TESTS = ROOT / "tests" / "engine" / "test_engine_e2e.py"
+_E2E_TESTS = ("tests", "engine", "test_engine_e2e.py")  # read from the checkout (source_checkout)
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NOT_CHECKED = (
     "served",
@@ -71,7 +72,7 @@ _METHODS = {
     "glm4_moe": (),
     "qwen2_moe": (),
 }
-_GGUF_TESTS = ROOT / "tests" / "engine" / "test_gguf_e2e.py"
+_GGUF_TESTS = ("tests", "engine", "test_gguf_e2e.py")
 # The README names these families where any of their architectures is served (first match).
 FAMILIES = (
     ("DeepSeek", "Deepseek"),
@@ -92,7 +93,8 @@ FAMILIES = (
 )
 
 
-def _test_constant(path: Path, name: str) -> list:
+def _test_constant(test: tuple[str, ...], name: str) -> list:
+    path = checkout_path(*test, needed_by=COMMAND)
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return list(ast.literal_eval(node.value))
@@ -176,10 +178,15 @@ def _is_moe(module: str, cls: str) -> bool:
     return bool(_MOE_LAYER.search(_source(module)))
 
 
-def load_results(folder: Path = RESULTS) -> dict[str, dict[str, Any]]:
+def results_folder() -> Path:
+    """docs/model_checks/: the runs ``vllm-kt check-models`` wrote, in the checkout."""
+    return checkout_path("docs", "model_checks", needed_by=COMMAND)
+
+
+def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
     """Architecture -> its latest result among the committed runs (files in name order)."""
     results: dict[str, dict[str, Any]] = {}
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted((folder or results_folder()).glob("*.json")):
         run = json.loads(path.read_text())
         for arch, result in run["architectures"].items():
             results[arch] = {**result, "run": path.name}
@@ -304,7 +311,7 @@ def docs_page() -> str:
     all_rows = rows()
     n = counts(all_rows)
     runs, total_s = [], 0.0
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(results_folder().glob("*.json")):
         run = json.loads(path.read_text())
         total_s += run["seconds"]
         where = run.get("machine", {})
@@ -335,6 +342,11 @@ def docs_page() -> str:
             "its error.",
             "- an architecture that takes another's row (`as ...`) is the same class under another registry name, "
             "or a draft or wrapper built on that architecture's MoE layer class.",
+            "- **kt-kernel methods (e2e tests)**: the `KT_METHOD`s the end-to-end tests run on their tiny models: "
+            "BF16 everywhere, AMXINT4/AMXINT8 quantized online, LLAMAFILE from GGUF experts exported in the test "
+            "(`tests/engine/test_gguf_e2e.py`), the quantized checkpoints' own methods on the GPU host. Which "
+            "method is fastest depends on the CPU, not the model: `vllm-kt doctor` ranks them, `KT_METHOD=auto` "
+            "picks it ([cpu-methods.md](cpu-methods.md)).",
             "",
             "Rerun: `vllm-kt check-models [ARCH ...] --out docs/model_checks/<name>.json` writes one JSON per run "
             "(per architecture: the tokens compared, the drift, the backend, the time taken); this page is generated "
@@ -354,9 +366,9 @@ def replace_readme_section(readme: str) -> str:
 
 
 def main() -> None:
-    readme = ROOT / "README.md"
+    readme = checkout_path("README.md", needed_by=COMMAND)
     readme.write_text(replace_readme_section(readme.read_text()))
-    docs = ROOT / "docs" / "supported_models.md"
+    docs = checkout_path("docs", "supported_models.md", needed_by=COMMAND)
     docs.parent.mkdir(exist_ok=True)
     docs.write_text(docs_page())
     print(f"wrote {readme} and {docs}")

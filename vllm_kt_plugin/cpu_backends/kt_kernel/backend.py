@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -15,10 +16,10 @@ import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, Diagnostic, LayerSpec
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import load_bf16_from_tensors, prepare_kt_kernel
+from vllm_kt_plugin.cpu_backends.kt_kernel.cores import keep_vllm_off_kt_cores, resolved_vllm_cores
 from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights, fastest_here
 from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import (
     LLAMAFILE_BLOCK,
-    check_gguf,
     gguf_files,
     is_gguf_path,
     kt_kernel_path,
@@ -31,7 +32,6 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     broken_kernel,
     kernel_available,
     kt_inference_methods,
-    weight_files_missing,
     writes_gpu_layout,
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
@@ -42,7 +42,14 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     layer_is_damaged,
     quantize_into_cache,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_expert_tensors, check_weight_files, fp8_blocks
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_expert_tensors, fp8_blocks
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
+    Checkpoint,
+    check_default,
+    check_model_directory,
+    check_weight_path,
+    classify,
+)
 from vllm_kt_plugin.hookspecs import hookimpl
 from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB, LOGGER_NAME
 from vllm_kt_plugin.settings.errors import UNSET, KTConfigError
@@ -61,19 +68,12 @@ def local_model_dir(model: str, revision: str | None = None, download_dir: str |
     return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
 
 
-def _check_weight_files(method: str, directory: str, *, is_model_dir: bool) -> None:
-    missing = weight_files_missing(method, directory)
-    if missing is None:
-        return
-    if is_model_dir:
-        raise KTConfigError(
-            "KT_WEIGHT_PATH",
-            UNSET,
-            f"so kt-kernel reads the model directory {directory}, which holds no {missing} files for "
-            f"KT_METHOD={method}",
-            "set KT_WEIGHT_PATH to a directory with the CPU expert weights",
-        )
-    raise KTConfigError("KT_WEIGHT_PATH", directory, f"holds no {missing} files, which KT_METHOD={method} reads")
+def _read_config(model_dir: str | None) -> dict[str, Any] | None:
+    path = Path(model_dir) / "config.json" if model_dir else None
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (OSError, ValueError):
+        return None  # doctor's model check says why
 
 
 def _check_cache_room(
@@ -233,7 +233,8 @@ class KTKernelExperts(CPUExperts):
             raise KTConfigError(
                 "KT_METHOD",
                 "auto",
-                f"KT_WEIGHT_PATH={settings.weight_path} holds converted weights, whose method auto cannot tell",
+                f"KT_WEIGHT_PATH={settings.weight_path} holds {classify(settings.weight_path).describe()}; auto picks "
+                "among the methods that read the checkpoint or GGUF weights",
                 "KT_METHOD set to the method of those weights, or auto with KT_WEIGHT_PATH unset (the checkpoint) "
                 "or naming GGUF weights",
             )
@@ -262,65 +263,26 @@ class KTKernelExperts(CPUExperts):
             raise KTConfigError(
                 "KT_METHOD", method, f"{reason}; use {hint}", f"a method this build runs: {', '.join(runnable)}"
             )
-        if method == "LLAMAFILE":
-            if settings.weight_path is None:
-                raise KTConfigError(
-                    "KT_WEIGHT_PATH",
-                    UNSET,
-                    "KT_METHOD=LLAMAFILE reads the CPU experts from GGUF files",
-                    "a .gguf file of this model (llama.cpp's, e.g. Q4_K_M or Q8_0), the first file of a split set, "
-                    "or a folder holding one model's GGUF",
-                )
-            gguf_files(settings.weight_path)  # the file, the whole split set, or a folder's; checked in full later
-            return
-        if settings.weight_path is not None and os.path.isfile(settings.weight_path):
-            raise KTConfigError(
-                "KT_WEIGHT_PATH",
-                settings.weight_path,
-                f"a GGUF file, which only KT_METHOD=LLAMAFILE reads, not {method}",
-                f"KT_METHOD=LLAMAFILE (or unset) with a GGUF file, or a directory of {method} weights",
-            )
+        checkpoint_of = cls.checkpoint(checkpoint)
         if settings.weight_path is not None:
-            _check_weight_files(method, settings.weight_path, is_model_dir=False)
+            check_weight_path(method, settings.weight_path, pools=settings.threadpool_count, checkpoint=checkpoint_of)
+            if method == "LLAMAFILE":
+                gguf_files(settings.weight_path)  # the file, the whole split set, or a folder's; in full later
             return
+        refusal = check_default(method, checkpoint_of)
+        if refusal is not None:
+            raise refusal
         if method in QUANTIZES_ONLINE:
-            cls._validate_online(settings, checkpoint)
-            return
-        if method not in READS_HF_CHECKPOINT:
-            raise KTConfigError(
-                "KT_WEIGHT_PATH",
-                UNSET,
-                f"KT_METHOD={method} reads kt-kernel's converted weights, which the model directory does not hold",
-                f"a directory with {method} weights, or a KT_METHOD in {sorted(READS_HF_CHECKPOINT)}",
-            )
+            check_cache_dir(settings.cache_dir)
+
+    @classmethod
+    def checkpoint(cls, checkpoint: CheckpointFormat) -> Checkpoint:
+        """The checkpoint as the weight checks name it: its format and the method that reads it."""
         try:
             own = cls.default_method(checkpoint)
         except KTConfigError:
             own = None
-        if method != own:
-            stored = checkpoint.quant_method or "unquantized"
-            raise KTConfigError(
-                "KT_METHOD",
-                method,
-                f"KT_WEIGHT_PATH is unset, so kt-kernel would read the model's own {stored} weights, which {method} "
-                "cannot",
-                (f"KT_METHOD={own} (or unset), or " if own else "")
-                + f"KT_METHOD={method} with KT_WEIGHT_PATH set to {method} weights",
-            )
-
-    @classmethod
-    def _validate_online(cls, settings: KTSettings, checkpoint: CheckpointFormat) -> None:
-        """AMXINT4/AMXINT8 without KT_WEIGHT_PATH: quantized from the BF16/FP16 tensors vLLM
-        loads, so the checkpoint must hold them unquantized; the cache must be writable."""
-        if checkpoint.quant_method is not None:
-            raise KTConfigError(
-                "KT_METHOD",
-                settings.method,
-                f"KT_WEIGHT_PATH is unset, so the CPU experts would be quantized online from the "
-                f"checkpoint's tensors, which are {checkpoint.quant_method}, not BF16/FP16; set "
-                f"KT_WEIGHT_PATH to converted {settings.method} weights",
-            )
-        check_cache_dir(settings.cache_dir)
+        return Checkpoint(checkpoint.quant_method, own)
 
     @classmethod
     def check_model(cls, settings: KTSettings, model: str, hf_config: Mapping[str, Any]) -> None:
@@ -330,8 +292,9 @@ class KTKernelExperts(CPUExperts):
         method = settings.method
         assert method is not None, "the quant config resolves the method first"
         model_dir = model if os.path.isdir(model) else None
-        if settings.weight_path is None and model_dir is not None:
-            _check_weight_files(method, model_dir, is_model_dir=True)
+        reads_model_dir = settings.weight_path is None and model_dir is not None and method in READS_HF_CHECKPOINT
+        if reads_model_dir:
+            check_model_directory(method, model_dir)
         try:
             shape = expert_shape(hf_config)
         except ModelConfigError:  # a config layout we cannot read: kt-kernel's own checks remain
@@ -343,28 +306,14 @@ class KTKernelExperts(CPUExperts):
             auto=settings.auto_method,
             pools=settings.threadpool_count,
         )
-        if method == "LLAMAFILE" and settings.weight_path is not None:
-            variant = str(prepare_kt_kernel().__cpu_variant__)
-            check_gguf(
-                settings.weight_path,
-                shape.moe_layers,
-                shape.num_experts,
-                shape.hidden_size,
-                shape.intermediate_size,
-                variant,
+        if settings.weight_path is not None:
+            variant = str(prepare_kt_kernel().__cpu_variant__) if method == "LLAMAFILE" else None
+            check_weight_path(
+                method, settings.weight_path, pools=settings.threadpool_count, model=shape, variant=variant
             )
-        directory = settings.weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
-        if directory is not None and method in READS_HF_CHECKPOINT:
+        elif reads_model_dir:
             try:
-                check_weight_files(
-                    method,
-                    directory,
-                    shape.moe_layers,
-                    shape.num_experts,
-                    shape.hidden_size,
-                    shape.intermediate_size,
-                    is_model_dir=settings.weight_path is None,
-                )
+                check_model_directory(method, model_dir, shape)
             except KTConfigError as error:
                 if not _takes_loaded_bf16(method, settings.weight_path):
                     raise
@@ -383,8 +332,35 @@ class KTKernelExperts(CPUExperts):
         return [
             check_cpu(settings.method, cpu_flags),
             fastest_here(weight_path),
-            check_weights(settings.method, weight_path, model_dir),
+            cls._diagnose_weights(settings, weight_path, model_dir),
         ]
+
+    @classmethod
+    def _diagnose_weights(cls, settings: KTSettings, weight_path: str | None, model_dir: str | None) -> Diagnostic:
+        """Serve's weight checks (weight_paths.py), on what doctor knows: the model's
+        config.json where ``model_dir`` is a folder holding one."""
+        config = _read_config(model_dir)
+        quant = (config or {}).get("quantization_config") or {}
+        checkpoint = cls.checkpoint(CheckpointFormat(quant.get("quant_method"), quant)) if config else None
+        try:
+            shape = expert_shape(config) if config is not None else None
+        except ModelConfigError:
+            shape = None
+        variant = None
+        if settings.method == "LLAMAFILE":
+            try:
+                variant = str(prepare_kt_kernel().__cpu_variant__)
+            except KTConfigError:
+                variant = None
+        return check_weights(
+            settings.method,
+            weight_path,
+            model_dir if model_dir is not None and os.path.isdir(model_dir) else None,
+            pools=settings.threadpool_count,
+            checkpoint=checkpoint,
+            shape=shape,
+            variant=variant,
+        )
 
     def __init__(self, spec: LayerSpec, settings: KTSettings) -> None:
         super().__init__(spec, settings)
@@ -546,6 +522,8 @@ class KTKernelExperts(CPUExperts):
         self.wrapper = kt_kernel.KTMoEWrapper(
             layer_idx=spec.layer_idx, weight_path=weight_path, **self._wrapper_args(max_deferred_experts_per_token)
         )
+        if resolved_vllm_cores(settings) == "free":  # kt-kernel's workers exist now
+            keep_vllm_off_kt_cores(settings.cpuinfer_threads)
         # kt-kernel keeps this tensor's address and reads it on every forward: it must
         # live as long as the layer (a temporary here gave nondeterministic outputs).
         self.physical_to_logical = torch.arange(spec.num_experts, dtype=torch.long)

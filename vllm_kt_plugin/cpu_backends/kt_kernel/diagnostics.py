@@ -1,28 +1,47 @@
-"""What ``vllm-kt doctor`` says about kt-kernel on this machine: which methods its
-kernels run fast, slowly or not at all on this CPU, and whether the weight files a method
-reads are where kt-kernel will look. kt-kernel's layout and speeds are known here, not in
-doctor, which asks each backend through ``CPUExperts.diagnose``."""
+"""What ``vllm-kt doctor`` says about kt-kernel on this machine: how fast each method runs
+on the kernel build kt-kernel loads here (one verdict per method: the measured table's time
+where it has one, else whether the build has the kernel), and whether the weight files a
+method reads are where kt-kernel will look. kt-kernel's layout and speeds are known here,
+not in doctor, which asks each backend through ``CPUExperts.diagnose``."""
 
 from __future__ import annotations
 
-import glob
-import os
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, Diagnostic
-from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import gguf_files, is_gguf_path
-from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import gguf_hint, ranking, source
+from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import is_gguf_path
+from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import (
+    DECODE_BATCH,
+    NOISE_RATIO,
+    MethodSpeed,
+    gguf_hint,
+    ranking,
+    source,
+)
 from vllm_kt_plugin.cpu_backends.kt_kernel.methods import (
     QUANTIZES_ONLINE,
-    READS_HF_CHECKPOINT,
+    broken_kernel,
     kernel_available,
-    weight_files_missing,
+)
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
+    Checkpoint,
+    check_default,
+    check_model_directory,
+    check_weight_path,
 )
 from vllm_kt_plugin.settings.catalogue import KT_METHODS
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_plugin.settings.model_memory import ExpertShape
 
 AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
+# What each measured method starts from, for the methods line.
+_READS = {
+    "BF16": "reads a BF16 checkpoint",
+    "AMXINT4": "quantized from a BF16 checkpoint at the first start",
+    "AMXINT8": "quantized from a BF16 checkpoint at the first start",
+}
 
 
 def cpu_features(flags: frozenset[str]) -> str:
@@ -35,130 +54,151 @@ def cpu_features(flags: frozenset[str]) -> str:
     return ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in have.items())
 
 
-def method_speed(method: str, flags: frozenset[str]) -> str:
-    """fast, slow or impossible: how kt-kernel runs ``method`` on a CPU with ``flags``.
-    AMX methods are fast with AMX tiles, slow on AVX-512; the others are fast with AVX-512
-    (BF16: with avx512_bf16) and slow with AVX2 alone."""
-    avx512 = flags >= AVX512_FLAGS
-    if method in QUANTIZES_ONLINE:
-        return "fast" if flags >= AMX_FLAGS else "slow" if avx512 else "impossible"
-    if method == "SYCL_GPTQ_INT4":
-        return "impossible"  # an Intel GPU (SYCL) kernel, not a CPU one
-    if method == "FP8_PERCHANNEL" and not avx512:
-        return "impossible"  # kt-kernel 0.7.2 ships it for AVX-512 only
-    if "avx2" not in flags:
-        return "impossible"
-    if method == "BF16" and "avx512_bf16" not in flags:
-        return "slow"
-    return "fast" if avx512 else "slow"
+@dataclass(frozen=True)
+class KernelBuild:
+    """The kt-kernel build (CPU variant) this machine loads: its measured rows that run
+    (fastest at batch-1 decode first) and why the methods that cannot run do not."""
+
+    variant: str
+    measured: tuple[MethodSpeed, ...]
+    cannot_run: Mapping[str, str]  # KT_METHOD -> why
+
+    def verdict(self, method: str) -> tuple[str, str]:
+        """One verdict on ``method`` here (level, text): from its measured time where the
+        table has one (WARN where the fastest is clearly faster), else whether this build
+        has the kernel (ERROR where not)."""
+        if method in self.cannot_run:
+            return ERROR, f"cannot run here: {self.cannot_run[method]}"
+        row = next((s for s in self.measured if s.method == method), None)
+        if row is None:
+            return OK, f"runs here; not measured ({NOT_MEASURED})"
+        level, relative = self.relative(row)
+        fastest = self.measured[0]
+        than = "" if row is fastest else f"; the fastest: {fastest.row}, {fastest.batch_ms[DECODE_BATCH]:.2f} ms"
+        which = f"{row.row}: " if row.row != method else ""  # LLAMAFILE: its fastest GGUF type's row
+        return level, f"{which}{row.batch_ms[DECODE_BATCH]:.2f} ms a layer at batch {DECODE_BATCH}, {relative}{than}"
+
+    def relative(self, row: MethodSpeed) -> tuple[str, str]:
+        """``row`` against the fastest row at batch-1 decode: OK within the noise, else WARN."""
+        fastest = self.measured[0]
+        if row is fastest:
+            return OK, "the fastest here"
+        ratio = row.batch_ms[DECODE_BATCH] / fastest.batch_ms[DECODE_BATCH]
+        if ratio < NOISE_RATIO:
+            return OK, f"{ratio:.1f}x the fastest's time, within the measurement's noise"
+        return WARN, f"{ratio:.1f}x the fastest's time"
 
 
-def check_cpu_capabilities(flags: frozenset[str]) -> Diagnostic:
-    """With no KT_METHOD to check: what this CPU runs, per method."""
-    speeds: dict[str, list[str]] = {"fast": [], "slow": [], "impossible": []}
+NOT_MEASURED = "the table times the methods that start from a BF16 checkpoint or GGUF"
+
+
+def build_of(variant: str, cannot_run: Mapping[str, str]) -> KernelBuild:
+    measured = tuple(s for s in ranking(variant) if s.method not in cannot_run)
+    return KernelBuild(variant, measured, dict(cannot_run))
+
+
+def loaded_build() -> KernelBuild:
+    """The build kt-kernel loads here (KTConfigError where it does not load)."""
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+
+    variant = str(prepare_kt_kernel().__cpu_variant__)
+    cannot_run = {}
     for method in KT_METHODS:
-        speeds[method_speed(method, flags)].append(method)
-    level = OK if speeds["fast"] else WARN if speeds["slow"] else ERROR
-    listed = "; ".join(f"{speed} here: {', '.join(methods) or 'none'}" for speed, methods in speeds.items())
-    return Diagnostic("cpu", level, f"{cpu_features(flags)}. KT_METHOD {listed}")
+        if method == "SYCL_GPTQ_INT4":
+            cannot_run[method] = "an Intel GPU (SYCL) kernel, not a CPU one"
+        elif broken_kernel(method):
+            cannot_run[method] = str(broken_kernel(method))
+        elif not kernel_available(method):
+            cannot_run[method] = f"no kernel in kt-kernel's {variant} build"
+    return build_of(variant, cannot_run)
 
 
 def check_cpu(method: str | None, flags: frozenset[str]) -> Diagnostic:
+    """The CPU, the kt-kernel build it loads, and KT_METHOD's verdict on that build (the
+    same verdict as its row on the methods line)."""
+    features = cpu_features(flags)
+    if "avx2" not in flags:
+        return Diagnostic("cpu", ERROR, f"{features}: no AVX2, so kt-kernel has no kernels for this CPU")
+    try:
+        build = loaded_build()
+    except KTConfigError as e:
+        return Diagnostic("cpu", WARN, f"{features}; kt-kernel does not load: {e}")
+    loads = f"{features}: kt-kernel loads its {build.variant} build"
     if method is None:
-        return check_cpu_capabilities(flags)
-    if method in QUANTIZES_ONLINE:
-        if flags >= AMX_FLAGS:
-            return Diagnostic("cpu", OK, f"AMX present for KT_METHOD={method}")
-        if flags >= AVX512_FLAGS:
-            return Diagnostic(
-                "cpu",
-                WARN,
-                f"no AMX (amx_tile, amx_int8): kt-kernel runs KT_METHOD={method} with its AVX-512 kernels, "
-                "correct but much slower than on an AMX CPU (Intel Sapphire Rapids or newer)",
-            )
-        return Diagnostic(
-            "cpu",
-            ERROR,
-            f"KT_METHOD={method} needs AMX or at least AVX-512, which this CPU lacks; use a method with AVX2 "
-            "kernels (BF16, FP8, GPTQ_INT4, ...) or LLAMAFILE",
-        )
-    if flags >= AVX512_FLAGS:
-        if method == "BF16" and "avx512_bf16" not in flags:
-            return Diagnostic("cpu", WARN, "AVX-512 without avx512_bf16: kt-kernel's BF16 experts take a slower path")
-        return Diagnostic("cpu", OK, f"AVX-512{' with BF16' if 'avx512_bf16' in flags else ''} for KT_METHOD={method}")
-    if "avx2" in flags:
-        return Diagnostic("cpu", WARN, f"AVX2 only: kt-kernel's AVX2 kernels for KT_METHOD={method} are much slower")
-    return Diagnostic("cpu", ERROR, "no AVX2: kt-kernel has no kernels for this CPU")
+        return Diagnostic("cpu", OK, f"{loads} (the methods line rates each method on it)")
+    level, verdict = build.verdict(method)
+    return Diagnostic("cpu", level, f"{loads}; KT_METHOD={method}: {verdict}")
 
 
 def fastest_here(weight_path: str | None = None) -> Diagnostic:
-    """The fastest method for the kt-kernel variant this CPU loads, from the measured table
-    (``method_speeds``): what KT_METHOD=auto picks where the weights allow it; where it reads
-    GGUF and ``weight_path`` holds none, what to point KT_WEIGHT_PATH at."""
-    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
-
+    """Every method's verdict on the build this CPU loads, fastest first, from the measured
+    table (``method_speeds``); what KT_METHOD=auto picks among them, and where the fastest
+    reads GGUF and ``weight_path`` holds none, what to point KT_WEIGHT_PATH at."""
     try:
-        variant = str(prepare_kt_kernel().__cpu_variant__)
+        build = loaded_build()
     except KTConfigError as e:
-        return Diagnostic("fastest", WARN, f"not known: {e}")
-    ranked = [s for s in ranking(variant) if kernel_available(s.method)]
-    if not ranked:
-        return Diagnostic("fastest", WARN, f"no measured row for kt-kernel's {variant} kernels ({source()})")
-    order = "; then ".join(s.describe() for s in ranked[1:])
-    best = ranked[0]
-    missing = best.method == "LLAMAFILE" and not (weight_path and is_gguf_path(weight_path))
-    return Diagnostic(
-        "fastest",
-        OK,
-        f"kt-kernel loads its {variant} kernels here: fastest decode {best.describe()}"
-        + (f" ({gguf_hint(best)})" if missing else "")
-        + f"; then {order} (KT_METHOD=auto picks the fastest the weights allow; measured: {source()}; "
-        "`vllm-kt doctor --measure-methods` measures this machine)",
+        return Diagnostic("methods", WARN, f"not known: {e}")
+    has_gguf = bool(weight_path and is_gguf_path(weight_path))
+    lines = [
+        f"ms per decode step at batch 1 / 16 on kt-kernel's {build.variant} build, fastest first "
+        f"(measured: {source()}):"
+    ]
+    if not build.measured:
+        lines.append(f"  no measured row for kt-kernel's {build.variant} build")
+    width = max((len(s.row) for s in build.measured), default=0)
+    for row in build.measured:
+        times = " / ".join(f"{ms:.2f}" for ms in row.batch_ms.values())
+        needs = _READS.get(row.method, "")
+        if row.method == "LLAMAFILE" and not has_gguf:
+            needs = gguf_hint(row) if row is build.measured[0] else f"reads a {row.gguf_type} GGUF"
+        lines.append(f"  {row.row:<{width}}  {times:>15}  {build.relative(row)[1]}" + (f"; {needs}" if needs else ""))
+    measured = {s.method for s in build.measured}
+    unmeasured = [m for m in KT_METHODS if m not in measured and m not in build.cannot_run]
+    if unmeasured:
+        lines.append(f"  runs here, not measured ({NOT_MEASURED}): {', '.join(unmeasured)}")
+    reasons: dict[str, list[str]] = {}
+    for method, why in build.cannot_run.items():
+        reasons.setdefault(why, []).append(method)
+    lines += [f"  cannot run here: {', '.join(methods)}: {why}" for why, methods in reasons.items()]
+    lines.append(
+        "  KT_METHOD=auto picks the fastest the weights allow; `vllm-kt doctor --measure-methods` measures this machine"
     )
+    return Diagnostic("methods", OK, "\n".join(lines))
 
 
-def _found(directory: str, pattern: str) -> int:
-    return len(glob.glob(os.path.join(directory, pattern), recursive=True))
-
-
-def check_weights(method: str | None, weight_path: str | None, model_dir: str | None) -> Diagnostic:
+def check_weights(
+    method: str | None,
+    weight_path: str | None,
+    model_dir: str | None,
+    *,
+    pools: int = 1,
+    checkpoint: Checkpoint | None = None,
+    shape: ExpertShape | None = None,
+    variant: str | None = None,
+) -> Diagnostic:
+    """Serve's weight checks (weight_paths.py), with serve's line where it would refuse;
+    the ``checkpoint`` and the experts' ``shape`` where doctor read the model's config."""
     if method is None:
         return Diagnostic("weights", WARN, "KT_METHOD unknown; not checked")
-    if weight_path is None and method in QUANTIZES_ONLINE:
-        return Diagnostic(
-            "weights",
-            OK,
-            f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
-        )
-    directory = weight_path or (model_dir if method in READS_HF_CHECKPOINT else None)
-    if directory is None:
-        if method in READS_HF_CHECKPOINT:
+    try:
+        if weight_path is not None:
+            held = check_weight_path(
+                method, weight_path, pools=pools, checkpoint=checkpoint, model=shape, variant=variant
+            )
+            every = "" if shape is not None else " (pass --model DIR to check every layer against the model)"
+            return Diagnostic("weights", OK, f"KT_METHOD={method} reads {weight_path}: {held.describe()}{every}")
+        refusal = check_default(method, checkpoint or Checkpoint(own_method=method))
+        if refusal is not None:
+            return Diagnostic("weights", ERROR, str(refusal))
+        if method in QUANTIZES_ONLINE:
+            return Diagnostic(
+                "weights",
+                OK,
+                f"KT_WEIGHT_PATH unset: {method} experts are quantized online into KT_CACHE_DIR at first start",
+            )
+        if model_dir is None:
             return Diagnostic("weights", WARN, f"KT_WEIGHT_PATH unset; pass --model DIR to check the {method} weights")
-        return Diagnostic("weights", ERROR, f"KT_WEIGHT_PATH is unset, but KT_METHOD={method} needs converted weights")
-    if method == "LLAMAFILE":
-        try:
-            files = gguf_files(directory)
-        except KTConfigError as e:
-            return Diagnostic("weights", ERROR, str(e))
-        return Diagnostic(
-            "weights", OK, f"LLAMAFILE reads {len(files)} GGUF file(s): {', '.join(f.name for f in files)}"
-        )
-    if not os.path.isdir(directory):
-        return Diagnostic("weights", ERROR, f"{directory} is not a directory")
-    if method in QUANTIZES_ONLINE:
-        shards = _found(directory, "_layer_*/_numa_*/*.kt")
-        if shards:
-            layers = _found(directory, "_layer_*")
-            numa = len({Path(p).name for p in glob.glob(os.path.join(directory, "_layer_*", "_numa_*"))})
-            return Diagnostic("weights", OK, f"kt-kernel {method} layout: {layers} layers x {numa} NUMA shard(s)")
-        if _found(directory, "*.safetensors"):
-            return Diagnostic("weights", OK, f"merged *.safetensors (must be `kt quant` output for {method})")
-        return Diagnostic(
-            "weights", ERROR, f"{directory} holds no _layer_N/_numa_M/*.kt nor *.safetensors for KT_METHOD={method}"
-        )
-    if method not in READS_HF_CHECKPOINT:
-        return Diagnostic("weights", WARN, f"KT_METHOD={method}: layout not known to doctor; not checked")
-    missing = weight_files_missing(method, directory)
-    if missing is None:
-        return Diagnostic("weights", OK, f"{method} reads the weight files in {directory}")
-    return Diagnostic("weights", ERROR, f"{directory} holds no {missing} files, which KT_METHOD={method} reads")
+        check_model_directory(method, model_dir, shape)
+        return Diagnostic("weights", OK, f"KT_METHOD={method} reads the model directory {model_dir}")
+    except KTConfigError as e:
+        return Diagnostic("weights", ERROR, str(e))

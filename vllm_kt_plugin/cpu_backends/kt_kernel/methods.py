@@ -5,9 +5,6 @@ the backend, ``vllm-kt doctor`` and the planning code read them here.
 
 from __future__ import annotations
 
-import glob
-import os
-
 from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
 from vllm_kt_plugin.settings.catalogue import KT_GPU_LAYOUT_WRITERS
 
@@ -40,6 +37,10 @@ KERNEL_FLAGS = {
     "NVFP4": ("_HAS_AVX2_MXFP4_SUPPORT",),
     "MXFP8": ("_HAS_MXFP8_SUPPORT", "_HAS_AVX2_MXFP8_SUPPORT"),
 }
+# MOE_INT4/MOE_INT8's flags (kt_kernel.utils.moe_kernel): kt-kernel 0.7.2's x86 wheels build
+# none of them (its general kernels are the ARM KML / AOCL builds'), so its wrapper refused
+# them in the worker, after vLLM had loaded the GPU weights.
+MOE_KERNEL_FLAGS = {"MOE_INT4": "_HAS_INT4_SUPPORT", "MOE_INT8": "_HAS_INT8_SUPPORT"}
 
 
 # Kernels a kt-kernel 0.7.2 CPU variant carries but that crash, refused like missing ones:
@@ -80,19 +81,13 @@ def kernel_available(method: str) -> bool:
     """Whether the kt-kernel build this CPU loaded carries a working kernel for ``method``."""
     if broken_kernel(method) is not None:
         return False
+    if method in MOE_KERNEL_FLAGS:
+        from kt_kernel.utils import moe_kernel
+
+        return bool(getattr(moe_kernel, MOE_KERNEL_FLAGS[method], False))
     flags = KERNEL_FLAGS.get(method)
     if flags is None:
         return True
     from kt_kernel.utils import amx
 
     return any(getattr(amx, flag, True) for flag in flags)
-
-
-def weight_files_missing(method: str, directory: str) -> str | None:
-    """The file pattern kt-kernel would walk ``directory`` for with ``method`` and not find
-    (``*.safetensors``); None when found or when the method's files are checked elsewhere
-    (LLAMAFILE's GGUF: ``gguf_files``) or by kt-kernel itself (AMX, MOE_*)."""
-    if method not in READS_HF_CHECKPOINT:
-        return None
-    pattern = "*.safetensors"
-    return None if glob.glob(os.path.join(directory, "**", pattern), recursive=True) else pattern

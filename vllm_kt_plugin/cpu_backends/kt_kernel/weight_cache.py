@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import EXPERT_SHARDS, fill_dummy_experts
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import KT_FILE_NAME
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -62,7 +63,6 @@ def cache_folder(
 
 
 FILES_PER_EXPERT = 6  # gate/up/down, each as quantized weights and scales
-_SIZE_IN_NAME = re.compile(r"_(\d+)Byte_")
 
 
 def layer_files_complete(layer_dir: Path, num_experts: int) -> bool:
@@ -77,8 +77,8 @@ def layer_files_complete(layer_dir: Path, num_experts: int) -> bool:
         if len(files) != FILES_PER_EXPERT * num_experts:
             return False
         for path in files:
-            size = _SIZE_IN_NAME.search(path.name)
-            if size is None or path.stat().st_size != int(size.group(1)):
+            name = KT_FILE_NAME.match(path.name)
+            if name is None or path.stat().st_size != int(name["bytes"]):
                 return False
     return True
 
