@@ -5,7 +5,8 @@ A shadow of the layer (``shadow``) sized for the CPU experts gets the native met
 unquantized parameters; every checkpoint tensor of a CPU expert goes through the layer's
 own expert loader into its row. So the backend sees the experts exactly as vLLM's kernels
 would (any checkpoint layout: per-expert or fused tensors, transposed, gate and up
-interleaved, biases), without code of ours per model.
+interleaved, biases), without code of ours per model; a model that copies a layer's whole
+stack of experts into a parameter (gpt-oss) gives each side its rows (``rows_in_slot_order``).
 """
 
 from __future__ import annotations
@@ -41,5 +42,18 @@ class LoadedExperts:
         if load_expert_weight(self.shadow, param_name, weight, weight_name, shard_id, slot):
             self.loaded += 1
 
+    def copy_rows(self, param_name: str, rows: torch.Tensor) -> None:
+        """Every CPU expert's tensor ``param_name`` at once, in CPU-slot order, already in
+        the parameter's layout (a model that copies the layer's stack past the loader)."""
+        getattr(self.shadow, param_name).data.copy_(rows)
+        self.loaded += 1
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: param.data for name, param in self.shadow.named_parameters(recurse=False)}
+
+
+def rows_in_slot_order(stack: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+    """The rows of ``stack`` (one per expert of the layer) of the experts that have a slot
+    in ``slot_of`` (-1: none), in slot order."""
+    ids = torch.nonzero(slot_of >= 0).flatten()
+    return stack[ids[slot_of[ids].argsort()].to(stack.device)]

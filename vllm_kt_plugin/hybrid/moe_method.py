@@ -37,7 +37,7 @@ from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, 
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
 from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
-from vllm_kt_plugin.hybrid.loaded_experts import LoadedExperts
+from vllm_kt_plugin.hybrid.loaded_experts import LoadedExperts, rows_in_slot_order
 from vllm_kt_plugin.hybrid.observers import RecordsDecode, RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
@@ -49,8 +49,10 @@ from vllm_kt_plugin.hybrid.vllm_compat import (
     native_moe_quant_config,
     native_view,
     prefill_context_parallel_size,
+    route_stack_copies,
     routed_experts_of,
     set_local_num_experts,
+    stack_copies_released,
     wrap_expert_weight_loaders,
 )
 from vllm_kt_plugin.planning.placement import ExpertPlacement
@@ -296,6 +298,21 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
         new = {name for name, _ in layer.named_parameters(recurse=False)} - existing
         wrap_expert_weight_loaders(layer, new, functools.partial(self._expert_weight_loader, layer))
+        route_stack_copies(layer, new, layer.global_num_experts, functools.partial(self._copy_expert_stack, layer))
+
+    def _copy_expert_stack(self, layer: RoutedExperts, param_name: str, stack: torch.Tensor) -> None:
+        """A model's copy of the whole layer's stack ``param_name`` (one row per expert, in
+        the parameter's layout; vllm_compat.route_stack_copies): the GPU experts' rows into
+        their slots, the CPU experts' to the backend that takes loaded experts."""
+        getattr(layer, param_name).data.copy_(rows_in_slot_order(stack, self.gpu.gpu_slot_of))
+        if self.cpu is None:
+            return
+        if self.loaded_cpu_experts is None:
+            raise NotImplementedError(
+                f"kt-hybrid: this model copies {self.layer_name}'s {param_name} past vLLM's expert loader; "
+                f"only a CPU backend that takes vLLM's loaded experts (torch) can take them, not {self.cpu.name}"
+            )
+        self.loaded_cpu_experts.copy_rows(param_name, rows_in_slot_order(stack, self.placement.cpu_slot_of()))
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -339,6 +356,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         return weight_loader
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        stack_copies_released(layer)
         if self.placement.num_gpu_experts:
             with native_view(layer, self.native):
                 self.native.process_weights_after_loading(layer)
