@@ -107,3 +107,14 @@ def test_a_config_naming_only_its_model_type_is_known_too() -> None:
     assert "Llama 4" in (architecture_refusal(llama4, None, "fp8") or "")
     qwen3 = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     assert architecture_refusal(qwen3, "kt_kernel") is None
+
+
+def test_a_recipe_trained_longer_keeps_the_other_recipes_cached_models() -> None:
+    """A recipe's own training steps change its cached model's key, not the others' (the
+    steps are not in a recipe's repr; the key names the steps used)."""
+    from vllm_kt_tools.model_check.checkpoint import TRAIN_STEPS, train_steps
+    from vllm_kt_tools.model_check.recipes import Recipe
+
+    assert train_steps(Recipe("granitemoe")) == TRAIN_STEPS
+    assert train_steps(Recipe("granitemoe", train_steps=400)) == 400
+    assert repr(Recipe("granitemoe", train_steps=400)) == repr(Recipe("granitemoe"))

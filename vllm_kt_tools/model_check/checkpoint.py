@@ -52,6 +52,11 @@ def build_config(architecture: str, recipe: Recipe, vocab_size: int) -> Any:
     return config
 
 
+def train_steps(recipe: Recipe) -> int:
+    """The recipe's own training steps, else TRAIN_STEPS."""
+    return recipe.train_steps or TRAIN_STEPS
+
+
 def _model_class(architecture: str, recipe: Recipe) -> Any:
     import transformers
 
@@ -98,9 +103,10 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     torch.manual_seed(seed)
     model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
     _router_biases(model, seed)
-    weights = f"trained {TRAIN_STEPS} steps"
+    steps = train_steps(recipe)
+    weights = f"trained {steps} steps"
     try:
-        loss = train(model, tokenizer_of(out), TRAIN_STEPS, seed, batch=8, window=32)
+        loss = train(model, tokenizer_of(out), steps, seed, batch=8, window=32)
         weights += f", loss {loss:.2f}"
     except Exception as error:  # noqa: BLE001 - transformers' class cannot train here: random weights
         torch.manual_seed(seed)
@@ -137,7 +143,8 @@ def weights_of(model_dir: Path) -> str:
 
 def checkpoint_dir(architecture: str, root: str | Path) -> Path:
     """``root/<architecture>-<hash of its recipe and CHECKPOINT_VERSION>``, written on first use."""
-    made = f"{CHECKPOINT_VERSION} {WEIGHT_STD} {TRAIN_STEPS} {RECIPES[architecture]!r}"
+    recipe = RECIPES[architecture]
+    made = f"{CHECKPOINT_VERSION} {WEIGHT_STD} {train_steps(recipe)} {recipe!r}"
     key = hashlib.sha256(made.encode()).hexdigest()[:10]
     out = Path(root) / f"{architecture}-{key}"
     if not (out / "MODEL_CHECK.json").exists():
