@@ -15,6 +15,8 @@ from vllm_kt_tools.model_check.recipes import RECIPES
 def test_deepseek_v4_hc_head_gets_the_released_name() -> None:
     renames = RECIPES["DeepseekV4ForCausalLM"].renames
     assert renamed("model.hc_head.hc_base", renames) == "model.hc_head_base"
+    assert renamed("model.layers.1.attn.norm.weight", renames) == "model.layers.1.attn.kv_norm.weight"
+    assert renamed("model.layers.1.attn.compressor.norm.weight", renames).endswith(".compressor.norm.weight")
     assert renamed("model.layers.0.hc_attn_base", renames) == "model.layers.0.hc_attn_base"
 
 

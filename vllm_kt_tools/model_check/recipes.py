@@ -361,12 +361,13 @@ RECIPES: dict[str, Recipe] = {
             "compress_ratios": [0, 4, 128],
             "num_hash_layers": 1,
             "expert_dtype": "bf16",
+            "topk_method": "noaux_tc",  # vLLM builds the routers' correction biases only with it
             "mlp_layer_types": None,
             "layer_types": None,
         },
-        # transformers' HC head (``model.hc_head.hc_fn``) is ``hc_head_fn`` in the released
-        # checkpoint, which vLLM's loader reads
-        renames={"model.hc_head.hc_": "model.hc_head_"},
+        # transformers' HC head (``model.hc_head.hc_fn``) and KV norm (``attn.norm``) are
+        # ``hc_head_fn`` and ``attn.kv_norm`` in the released checkpoint, which vLLM's loader reads
+        renames={"model.hc_head.hc_": "model.hc_head_", ".attn.norm.": ".attn.kv_norm."},
     ),
     "Glm5NextForConditionalGeneration": Recipe(
         "glm5_next",
