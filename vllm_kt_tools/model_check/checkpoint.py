@@ -90,6 +90,27 @@ def _router_biases(model: Any, seed: int) -> None:
                     module._non_persistent_buffers_set.discard(name)
 
 
+def renamed(name: str, renames: dict[str, str] | Any) -> str:
+    """``name`` with each of ``renames``' parts replaced by its value."""
+    for part, new in renames.items():
+        name = name.replace(part, new)
+    return name
+
+
+def rename_tensors(out: Path, renames: Any) -> None:
+    """Rewrite the saved safetensors (and their index) with ``renamed`` tensor names."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        save_file({renamed(k, renames): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {renamed(k, renames): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
 def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> Path:
     """The tiny ``architecture`` model of its recipe, in ``out_dir``."""
     import torch
@@ -118,6 +139,8 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     model.config.dtype = "bfloat16"
     model.config.architectures = [architecture]
     model.save_pretrained(out, safe_serialization=True)
+    if recipe.renames:
+        rename_tensors(out, recipe.renames)
     if recipe.config_json:
         written = json.loads((out / "config.json").read_text())
         merged = {**written, **recipe.config_json}

@@ -79,6 +79,9 @@ class Recipe:
     # keys added to the written config.json (None: removed): what vLLM reads of the
     # architecture's released config where transformers' class keeps it under other names
     config_json: Mapping[str, Any] = field(default_factory=dict)
+    # tensor-name parts renamed after saving (transformers' part: the released checkpoint's),
+    # where transformers' save_pretrained writes a name vLLM's loader does not read
+    renames: Mapping[str, str] = field(default_factory=dict)
     float32: bool = True  # plain vLLM runs this model in float32 (False: the measured reason is in notes)
     notes: str = ""
     # Training steps where checkpoint.TRAIN_STEPS leave a greedy step near a tie (the reason by
@@ -349,7 +352,8 @@ RECIPES: dict[str, Recipe] = {
             "o_groups": 2,
             "o_lora_rank": 64,
             "index_n_heads": 2,
-            "index_head_dim": 64,
+            # vLLM's compressor (deepseek_v4/compressor.py) takes only 128 and 512 wide heads
+            "index_head_dim": 128,
             "index_topk": 16,
             "compress_ratios": [0, 4, 128],
             "num_hash_layers": 1,
@@ -363,9 +367,13 @@ RECIPES: dict[str, Recipe] = {
             "compress_ratios": [0, 4, 128],
             "num_hash_layers": 1,
             "expert_dtype": "bf16",
+            "topk_method": "noaux_tc",  # vLLM builds the routers' correction biases only with it
             "mlp_layer_types": None,
             "layer_types": None,
         },
+        # transformers' HC head (``model.hc_head.hc_fn``) and KV norm (``attn.norm``) are
+        # ``hc_head_fn`` and ``attn.kv_norm`` in the released checkpoint, which vLLM's loader reads
+        renames={"model.hc_head.hc_": "model.hc_head_", ".attn.norm.": ".attn.kv_norm."},
     ),
     "Glm5NextForConditionalGeneration": Recipe(
         "glm5_next",
