@@ -184,7 +184,6 @@ PUBLIC_VLLM_IMPORTS: dict[str, frozenset[str]] = {
     "vllm.model_executor.layers.fused_moe.config": frozenset(
         {"FusedMoEConfig", "FusedMoEParallelConfig", "FusedMoEQuantConfig"}
     ),
-    "vllm.model_executor.layers.fused_moe.activation": frozenset({"MoEActivation"}),
     "vllm.model_executor.layers.fused_moe.modular_kernel": frozenset({"FusedMoEKernel"}),
     "vllm.model_executor.layers.fused_moe.runner.shared_experts": frozenset({"SharedExperts"}),
 }

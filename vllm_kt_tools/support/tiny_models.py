@@ -262,22 +262,31 @@ def print_training_progress(step: int, steps: int, loss: float) -> None:
         print(line, flush=True)
 
 
-def _train(model: Any, tokenizer: Any, steps: int, seed: int, progress: TrainingProgress | None = None) -> float:
-    """Teach ``model`` the built-in text; return the last loss. ``progress`` hears the
-    step and loss every PROGRESS_EVERY_S seconds and at the end."""
+def train(
+    model: Any,
+    tokenizer: Any,
+    steps: int,
+    seed: int,
+    progress: TrainingProgress | None = None,
+    batch: int = 16,
+    window: int = 64,
+) -> float:
+    """Teach ``model`` the built-in text (``batch`` windows of ``window`` tokens a step);
+    return the last loss. ``progress`` hears the step and loss every PROGRESS_EVERY_S
+    seconds and at the end."""
     import torch
 
     ids = torch.tensor(tokenizer(training_text())["input_ids"])
-    window = min(64, len(ids) - 1)
+    window = min(window, len(ids) - 1)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(float("nan"))
     shown = time.monotonic()
     for step in range(1, steps + 1):
-        starts = torch.randint(0, len(ids) - window, (16,), generator=gen)
-        batch = torch.stack([ids[i : i + window] for i in starts])
-        loss = model(input_ids=batch, labels=batch).loss
+        starts = torch.randint(0, len(ids) - window, (batch,), generator=gen)
+        windows = torch.stack([ids[i : i + window] for i in starts])
+        loss = model(input_ids=windows, labels=windows).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -317,7 +326,7 @@ def write_tiny_model(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     biases = _set_router_bias(model, seed)
-    loss = _train(model, tokenizer, train_steps, seed, progress)
+    loss = train(model, tokenizer, train_steps, seed, progress)
     model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.save_pretrained(out, safe_serialization=True)
