@@ -16,7 +16,8 @@ from vllm_kt_tools.model_check.compare import (  # noqa: F401 - the tests import
     step_drifts,
 )
 from vllm_kt_tools.support.child import run_child
-from vllm_kt_tools.support.tiny_models import chat_prompt, training_text
+from vllm_kt_tools.support.tiny_models import PROMPTS as _PROMPTS
+from vllm_kt_tools.support.tiny_models import training_text
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
@@ -27,14 +28,7 @@ ENGINE_TIMEOUT_S = 900
 # VLLM_KT_ENGINE_LOCK (vllm_kt_tools/support/engine_lock.py) makes their starts take turns.
 GPU_SHARE_VARIABLE = "VLLM_KT_TEST_GPU_SHARE"
 
-# The prompts every engine comparison uses: the tiny models' training text and one chat.
-PROMPTS = [
-    "The quick brown fox",
-    "A mixture of experts",
-    "vLLM serves",
-    "Once upon a time",
-    chat_prompt("What is the capital of France?"),
-]
+PROMPTS = list(_PROMPTS)  # a list: comparisons add their own long prompt to it
 
 # Measured on vLLM's CPU build, tiny Qwen3-MoE (top-2), every expert on the CPU: without
 # deferral the chosen-token logprobs move by <= 0.0005 against plain vLLM; deferring one of

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kt_tools.support.tiny_models import PLAIN_ROPE_AS_YARN
+
 NUM_EXPERTS = 8
 TOP_K = 2
 HIDDEN = 128
@@ -120,6 +122,15 @@ def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
 
 # Measured on vLLM 0.32's CPU build (../shared/FACTS.md): its gated-delta-net attention kernel
 # refuses float32 ("CPU GDN attention requires BF16").
+# Qwen3-Next and Qwen3.5's hybrid layout: linear attention (Gated DeltaNet) beside full attention.
+_GATED_DELTANET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "head_dim": 64,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 _GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
 
 # Architecture (registry name) -> its recipe. Overrides say why where not obvious.
@@ -152,44 +163,19 @@ RECIPES: dict[str, Recipe] = {
             "topk_method": "noaux_tc",
             "n_group": 2,
             "topk_group": 1,
-            # YaRN with factor 1 is plain RoPE; vLLM's CPU rotary kernel mis-rotates MLA's
-            # strided q_pe/k_pe with the default rope type (tiny_models.py says more)
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 1.0,
-                "original_max_position_embeddings": 512,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
         },
         layers=3,
     ),
     "Qwen3NextForCausalLM": Recipe(
         "qwen3_next",
-        {
-            "layer_types": ["linear_attention", "full_attention"],
-            "head_dim": 64,
-            "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-        },
+        _GATED_DELTANET,
         float32=False,
         notes=_GDN_BF16,
     ),
     "Qwen3_5MoeForCausalLM": Recipe(
         "qwen3_5_moe_text",
-        {
-            "layer_types": ["linear_attention", "full_attention"],
-            "head_dim": 64,
-            "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-        },
+        _GATED_DELTANET,
         float32=False,
         notes=_GDN_BF16,
     ),

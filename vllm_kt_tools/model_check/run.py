@@ -29,7 +29,7 @@ from typing import Any
 from vllm_kt_tools.model_check import compare, engines
 from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
 from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES
-from vllm_kt_tools.support.tiny_models import chat_prompt, training_text
+from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
     "served",
@@ -39,13 +39,6 @@ SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
     "no recipe",
 )
 MAX_TOKENS = 16
-PROMPTS = [
-    "The quick brown fox",
-    "A mixture of experts",
-    "vLLM serves",
-    "Once upon a time",
-    chat_prompt("What is the capital of France?"),
-]
 LONG_PROMPT_TOKENS = 100
 BF16_DRIFT_BOUND = compare.TIE_GAP
 HALF_ON_CPU = {"KT_NUM_GPU_EXPERTS": str(NUM_EXPERTS // 2)}
