@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check vllm_kt_plugin vllm_kt_tools tests configs
-exec "$VENV/bin/python" -m pytest -v -rs --durations=30 "$@"
+exec "$VENV/bin/python" -m pytest -v -rs --durations=60 "$@"

@@ -1,10 +1,13 @@
-"""MoE architectures whose experts kt-kernel cannot compute, refused from the model's config.
+"""MoE architectures whose experts kt-kernel cannot compute, known from the model's config.
 
-kt-kernel 0.7.2 computes SiLU-gated experts without biases, and weights each expert's
-output by its router weight. A model whose experts do otherwise would load, then either
-fail in a worker (``hybrid.moe_method.check_layer_supported`` catches what a built layer
-shows) or give wrong numbers. Checked here from the Hugging Face config alone, in the
-process that parses the config, so that the user reads one line before any weight loads.
+kt-kernel 0.7.2 computes SiLU-gated experts without biases and weights each expert's
+output by its router weight; the torch backend computes the others exactly (each layer
+gets it unless KT_BACKEND is set: ``hybrid.backend_choice``, which also catches what a
+built layer shows of an architecture not listed here). Checked here from the Hugging Face
+config alone, in the process that parses the config, so that a configuration no backend
+can serve stops with one line before any weight loads: KT_BACKEND set to a backend that
+cannot compute them, or a quantized checkpoint (the torch backend computes unquantized
+experts only).
 """
 
 from __future__ import annotations
@@ -16,36 +19,55 @@ from vllm_kt_plugin.settings.errors import KTConfigError
 
 _LLAMA4 = "Llama 4 applies the router weights to the experts' input; kt-kernel weights their output"
 _GPT_OSS = "gpt-oss's experts have biases and a clamped SwiGLU; kt-kernel computes SiLU-gated experts without biases"
-# config.json's "architectures" entry -> why kt-kernel cannot compute its experts
-REFUSED_ARCHITECTURES: Mapping[str, str] = {
+# config.json's "architectures" entry -> what kt-kernel cannot compute of its experts
+KT_KERNEL_CANNOT: Mapping[str, str] = {
     "Llama4ForCausalLM": _LLAMA4,
     "Llama4ForConditionalGeneration": _LLAMA4,
     "GptOssForCausalLM": _GPT_OSS,
 }
 # the same by "model_type", for configs that name no architecture (or a text config's)
-REFUSED_MODEL_TYPES: Mapping[str, str] = {"llama4": _LLAMA4, "llama4_text": _LLAMA4, "gpt_oss": _GPT_OSS}
+KT_KERNEL_CANNOT_TYPES: Mapping[str, str] = {"llama4": _LLAMA4, "llama4_text": _LLAMA4, "gpt_oss": _GPT_OSS}
+TORCH = "torch"
 
 
-def architecture_refusal(hf_config: Mapping[str, Any]) -> str | None:
-    """Why kt-hybrid cannot serve the model of this config (``config.json`` as a dict), or
-    None where nothing in it is known to be unsupported."""
+def kt_kernel_cannot(hf_config: Mapping[str, Any]) -> str | None:
+    """What kt-kernel cannot compute of this model's experts (``config.json`` as a dict), or
+    None where nothing in it is known to be beyond kt-kernel."""
     for architecture in hf_config.get("architectures") or ():
-        if architecture in REFUSED_ARCHITECTURES:
-            return f"{architecture}: {REFUSED_ARCHITECTURES[architecture]}"
+        if architecture in KT_KERNEL_CANNOT:
+            return f"{architecture}: {KT_KERNEL_CANNOT[architecture]}"
     for config in (hf_config, hf_config.get("text_config") or {}):
         model_type = config.get("model_type")
-        if model_type in REFUSED_MODEL_TYPES:
-            return f"model type {model_type}: {REFUSED_MODEL_TYPES[model_type]}"
+        if model_type in KT_KERNEL_CANNOT_TYPES:
+            return f"model type {model_type}: {KT_KERNEL_CANNOT_TYPES[model_type]}"
     return None
 
 
-def check_architecture(hf_config: Mapping[str, Any]) -> None:
+def architecture_refusal(
+    hf_config: Mapping[str, Any], backend: str | None = None, quantization: str | None = None
+) -> str | None:
+    """Why no CPU backend can serve this model as configured, or None. ``backend``: KT_BACKEND
+    where the user set it (None: unset, the plugin picks); ``quantization``: the
+    checkpoint's quantization method (None: unquantized)."""
+    cannot = kt_kernel_cannot(hf_config)
+    if cannot is None:
+        return None
+    if backend is not None and backend != TORCH:
+        return f"{cannot}; KT_BACKEND={backend} cannot compute them (KT_BACKEND=torch or unset can)"
+    if quantization is not None:
+        return f"{cannot}; and the torch backend computes unquantized experts only, this checkpoint is {quantization}"
+    return None
+
+
+def check_architecture(
+    hf_config: Mapping[str, Any], backend: str | None = None, quantization: str | None = None
+) -> None:
     """``architecture_refusal`` as the one-line config error."""
-    refusal = architecture_refusal(hf_config)
+    refusal = architecture_refusal(hf_config, backend, quantization)
     if refusal is not None:
         raise KTConfigError(
             "--quantization",
             "kt-hybrid",
             refusal,
-            "a MoE model whose experts kt-kernel computes (docs/supported_models.md lists those checked)",
+            "a MoE model whose experts a CPU backend computes (docs/supported_models.md)",
         )

@@ -45,9 +45,10 @@ def test_broken_cpu_expert_weights_stop_vllm_serve(tiny_model, tmp_path, kind: s
     assert_stops_before_weights(model, settings, BREAKAGES[kind])
 
 
-def test_an_unsupported_architecture_stops_vllm_serve(tiny_model, tmp_path) -> None:
-    """gpt-oss (biased experts, clamped SwiGLU) is refused from its config, in the front end:
-    a config and tokenizer are all it takes (vllm_kt_plugin/architectures.py)."""
+def test_an_architecture_the_chosen_backend_cannot_compute_stops_vllm_serve(tiny_model, tmp_path) -> None:
+    """gpt-oss (biased experts, clamped SwiGLU) with KT_BACKEND=kt_kernel set is refused from
+    its config, in the front end: a config and tokenizer are all it takes
+    (vllm_kt_plugin/architectures.py; unset, the torch backend serves it: docs/supported_models.md)."""
     import shutil
 
     import transformers
@@ -68,9 +69,8 @@ def test_an_unsupported_architecture_stops_vllm_serve(tiny_model, tmp_path) -> N
     config.save_pretrained(tmp_path)
     for tokenizer_file in tiny_model("qwen3_moe").glob("tokenizer*"):
         shutil.copy(tokenizer_file, tmp_path)
-    # KT_BACKEND=torch: the default backend would first ask for expert weights this directory lacks
     expected = "--quantization='kt-hybrid' is invalid (GptOssForCausalLM: gpt-oss's experts have biases"
-    assert_stops_before_weights(tmp_path, {"KT_BACKEND": "torch"}, expected)
+    assert_stops_before_weights(tmp_path, {"KT_BACKEND": "kt_kernel"}, expected)
 
 
 def test_a_gguf_that_does_not_match_the_model_stops_vllm_serve(tiny_model, tmp_path) -> None:

@@ -26,6 +26,8 @@ from kt_testing.engines import (
 )
 from kt_testing.hardware import kernel_family, requires_kernel
 
+from vllm_kt_tools.model_check.compare import FLOAT32_DRIFT_BOUND
+
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 24
@@ -142,12 +144,7 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
         assert SPLIT_RAN not in log  # on only where forced
 
 
-# The torch backend computes in float32; in a float32 engine only the order of the sums
-# differs from plain vLLM (GPU and CPU experts added apart). Measured on the 2-core dev box
-# (AVX-512, `pytest -s tests/engine/test_engine_e2e.py -k float32`): GLM-4.5 4.2e-07, Qwen2-MoE
-# 1.0e-06, every token equal. Bound: that, plus a margin of 1e-4 for another machine's
-# summation order, far below any missing or misweighted expert (the zero backend: > 1 nat).
-FLOAT32_DRIFT_BOUND = 1e-4
+# FLOAT32_DRIFT_BOUND (vllm_kt_tools.model_check.compare) says what was measured.
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "qwen2_moe"])

@@ -7,8 +7,17 @@ import os
 import re
 from pathlib import Path
 
+from vllm_kt_tools.model_check.compare import (  # noqa: F401 - the tests import them from here
+    TIE_GAP,
+    differing,
+    first_difference,
+    greedy_mismatch,
+    logprob_drift,
+    step_drifts,
+)
 from vllm_kt_tools.support.child import run_child
-from vllm_kt_tools.support.tiny_models import chat_prompt, training_text
+from vllm_kt_tools.support.tiny_models import PROMPTS as _PROMPTS
+from vllm_kt_tools.support.tiny_models import training_text
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 900
@@ -19,14 +28,7 @@ ENGINE_TIMEOUT_S = 900
 # VLLM_KT_ENGINE_LOCK (vllm_kt_tools/support/engine_lock.py) makes their starts take turns.
 GPU_SHARE_VARIABLE = "VLLM_KT_TEST_GPU_SHARE"
 
-# The prompts every engine comparison uses: the tiny models' training text and one chat.
-PROMPTS = [
-    "The quick brown fox",
-    "A mixture of experts",
-    "vLLM serves",
-    "Once upon a time",
-    chat_prompt("What is the capital of France?"),
-]
+PROMPTS = list(_PROMPTS)  # a list: comparisons add their own long prompt to it
 
 # Measured on vLLM's CPU build, tiny Qwen3-MoE (top-2), every expert on the CPU: without
 # deferral the chosen-token logprobs move by <= 0.0005 against plain vLLM; deferring one of
@@ -163,72 +165,9 @@ def long_prompt(model: Path, tokens: int) -> str:
     return tokenizer.decode(tokenizer(training_text())["input_ids"][:tokens])
 
 
-def first_difference(got: dict, want: dict) -> int | None:
-    """The first step where the two greedy completions chose other tokens, or None."""
-    return next((step for step, (a, b) in enumerate(zip(got["ids"], want["ids"], strict=True)) if a != b), None)
-
-
-def _forced(got: dict, want: dict) -> tuple[list[float], list[float]]:
-    """Both engines' logprobs of ``want``'s tokens (teacher forcing, ``kt_testing.greedy``)."""
-    assert got["forced_ids"] == want["ids"] == want["forced_ids"], (
-        "the compared run scored other tokens than the reference's: pass reference= to generate"
-    )
-    return got["forced"], want["forced"]
-
-
-def step_drifts(got: dict, want: dict) -> list[float]:
-    """|chosen-token logprob difference| at every step of one completion: while the tokens
-    agree, of the generated tokens; from the first differing token on, of ``want``'s tokens
-    as each engine scored them (teacher forcing), so that a completion that parts is still
-    bounded to its end."""
-    part = first_difference(got, want)
-    agreed = len(got["ids"]) if part is None else part
-    drifts = [abs(got["top2"][step][0] - want["top2"][step][0]) for step in range(agreed)]
-    if part is not None:
-        forced_got, forced_want = _forced(got, want)
-        drifts += [abs(a - b) for a, b in zip(forced_got[part:], forced_want[part:], strict=True)]
-    return drifts
-
-
-def logprob_drift(got: list, want: list) -> float:
-    """Largest ``step_drifts`` over the completions."""
-    return max((d for g, w in zip(got, want, strict=True) for d in step_drifts(g, w)), default=0.0)
-
-
-def differing(got: list, want: list) -> int:
-    """How many completions chose other tokens somewhere."""
-    return sum(first_difference(g, w) is not None for g, w in zip(got, want, strict=True))
-
-
-# Plain vLLM's own top two within this many nats are a tie that another kernel's rounding may
-# break the other way (the tiny Qwen3-MoE's 180-token prompt opens on -1.376 / -1.376: kt-kernel's
-# AMX BF16 kernels pick the runner-up, its AVX-512/AVX2 ones and vLLM's CPU kernel the first).
-# Past such a tie both engines score the reference's tokens, which must stay within it too.
-TIE_GAP = 0.05
-
-
 def assert_same_greedy_tokens(got: list, want: list, bound: float = TIE_GAP) -> None:
-    """Greedy tokens equal, completion by completion, except at a step where ``want``'s own
-    top two were tied (within TIE_GAP), ``got`` took the runner-up and its own top logprob
-    stays within TIE_GAP of ``want``'s (the same distribution, rounded otherwise). Past it
-    the texts part, so the rest is compared by teacher forcing: both engines' logprobs of
-    ``want``'s tokens stay within ``bound`` to the end."""
-    for index, (g, w) in enumerate(zip(got, want, strict=True)):
-        step = first_difference(g, w)
-        if step is None:
-            continue
-        a, b = g["ids"][step], w["ids"][step]
-        first, second = w["top2"][step]
-        same_top = abs(g["top2"][step][0] - first) <= TIE_GAP
-        tied = first - second <= TIE_GAP and a == w["top2_ids"][step][1] and same_top
-        assert tied, (
-            f"completion {index} parts at step {step}: {a} instead of {b} "
-            f"(reference top two {w['top2_ids'][step]} at {first:.3f} / {second:.3f})"
-        )
-        forced_got, forced_want = _forced(g, w)
-        for later in range(step, len(w["ids"])):
-            assert abs(forced_got[later] - forced_want[later]) <= bound, (
-                f"completion {index}, past the tie at step {step}: the reference's token {w['ids'][later]} at step "
-                f"{later} scores {forced_got[later]:.4f} against the reference's {forced_want[later]:.4f} "
-                f"(bound {bound})"
-            )
+    """Greedy tokens equal by the rules of ``vllm_kt_tools.model_check.compare``: except at a
+    tie of ``want``'s own, past which both engines' logprobs of ``want``'s tokens stay within
+    ``bound`` to the end."""
+    problem = greedy_mismatch(got, want, bound)
+    assert problem is None, problem

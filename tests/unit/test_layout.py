@@ -202,7 +202,6 @@ PUBLIC_VLLM_IMPORTS: dict[str, frozenset[str]] = {
     "vllm.model_executor.layers.fused_moe.config": frozenset(
         {"FusedMoEConfig", "FusedMoEParallelConfig", "FusedMoEQuantConfig"}
     ),
-    "vllm.model_executor.layers.fused_moe.activation": frozenset({"MoEActivation"}),
     "vllm.model_executor.layers.fused_moe.modular_kernel": frozenset({"FusedMoEKernel"}),
     "vllm.model_executor.layers.fused_moe.runner.shared_experts": frozenset({"SharedExperts"}),
 }
@@ -211,6 +210,7 @@ PUBLIC_VLLM_IMPORTS: dict[str, frozenset[str]] = {
 # ``import vllm`` (its version). Its internals are in vllm_kt_tools/support/vllm_internals.py.
 PUBLIC_VLLM_TOOL_IMPORTS: dict[str, frozenset[str]] = {
     "vllm": frozenset({"LLM", "SamplingParams"}),
+    "vllm.inputs": frozenset({"TokensPrompt"}),  # prompts as token ids (the model check's teacher forcing)
     "vllm.entrypoints.cli.main": frozenset(),  # the module the `vllm` command runs (vllm serve)
     "vllm.config": frozenset({"ModelConfig"}),
     "vllm.model_executor.layers.fused_moe": frozenset({"FusedMoEFactory"}),
@@ -342,7 +342,7 @@ def test_vllm_internals_are_touched_in_one_module() -> None:
 
     touched = PRIVATE_VLLM_ATTRIBUTES | {touch.attribute for touch in (*TOUCHES, *TOOL_TOUCHES)}
     # strings count too (getattr(obj, "name")), but Mixtral's config.json key of this name is not vLLM's
-    config_keys = {("model_memory.py", "num_local_experts"), ("gguf_export.py", "num_local_experts")}
+    config_keys = {(name, "num_local_experts") for name in ("model_memory.py", "gguf_export.py", "recipes.py")}
     found = []
     for path in sorted([*(ROOT / RUNTIME).rglob("*.py"), *(ROOT / TOOLS).rglob("*.py")]):
         if path in (COMPAT, TOOLS_COMPAT):

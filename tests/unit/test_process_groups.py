@@ -124,7 +124,8 @@ sleep 600
 LATE_START = """
 import os, subprocess, sys, time
 open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
-time.sleep(3)  # still starting when the sitting is stopped
+while not os.path.exists(sys.argv[1] + ".go"):  # still starting until the test says go
+    time.sleep(0.1)
 core = subprocess.Popen([sys.executable, "-c", "import os, time; os.setpgid(0, 0); time.sleep(600)"])
 open(sys.argv[1] + ".core", "w").write(str(core.pid))
 time.sleep(600)
@@ -168,7 +169,10 @@ def test_stop_sh_stops_a_whole_sitting_and_nothing_else(tmp_path: Path) -> None:
         assert stop.returncode == 0, stop.stderr
         assert f"stop: sitting {tag}:" in stop.stdout
         sitting.wait(timeout=10)
-        time.sleep(4)  # past the engine child's start: it must not have started its core
+        # An engine child that escaped the stop would go on now and start its core: a go signal,
+        # not a timer, so that a slow machine cannot let it start before the stop.
+        (tmp_path / "late.go").touch()
+        time.sleep(2)
         assert [pid for pid in family if alive(pid)] == [] and process_groups.tagged(tag) == []
         assert not (tmp_path / "late.core").exists()
         assert alive(bystander.pid)

@@ -1,18 +1,20 @@
 """The Supported-models table (vllm_kt_tools/support/supported_models.py): every MoE
-architecture of the installed vLLM's registry with its status, the committed README section
-and docs page equal to what it generates, and the config-time refusals it reports."""
+architecture of the installed vLLM's registry with its status, generated from the model
+check's committed JSON; the committed README section and docs page equal what it
+generates (so a table edited by hand, or JSON the table does not show, fails here); the
+config-time refusals it reports."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.architectures import REFUSED_ARCHITECTURES, architecture_refusal, check_architecture
+from vllm_kt_plugin.architectures import KT_KERNEL_CANNOT, architecture_refusal, check_architecture
 from vllm_kt_plugin.settings.errors import KTConfigError
+from vllm_kt_tools.model_check.recipes import RECIPES, TAKES_ROW_OF
 from vllm_kt_tools.support import supported_models
-from vllm_kt_tools.support.tiny_models import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_committed_tables_are_the_generated_ones() -> None:
     readme = (ROOT / "README.md").read_text()
     assert supported_models.replace_readme_section(readme) == readme, (
-        "README.md's Supported-models table is stale: run `python -m vllm_kt_tools.support.supported_models`"
+        "README.md's Supported-models summary is stale: run `python -m vllm_kt_tools.support.supported_models`"
     )
     assert (ROOT / "docs" / "supported_models.md").read_text() == supported_models.docs_page(), (
         "docs/supported_models.md is stale: run `python -m vllm_kt_tools.support.supported_models`"
@@ -32,40 +34,87 @@ def test_every_registry_moe_architecture_has_a_status() -> None:
     assert {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"} <= set(rows)
     assert "LlamaForCausalLM" not in rows and "Qwen3ForCausalLM" not in rows  # dense
     # Modules that build no MoE layer of their own but reuse another's (a multimodal wrapper,
-    # a variant) are rows too, named with the module they reuse.
-    assert "`qwen3_moe`" in rows["Qwen3VLMoeForConditionalGeneration"].detail
-    assert "`granitemoe`" in rows["GraniteMoeSharedForCausalLM"].detail
-    assert {r.status for r in rows.values()} == {
-        supported_models.SERVED,
-        supported_models.REFUSED,
-        supported_models.NOT_CHECKED,
-    }
-    served = {a for a, r in rows.items() if r.status == supported_models.SERVED}
-    assert served == set(supported_models.served_architectures())
+    # a draft, a variant; imported relatively or absolutely) are rows too.
+    assert "qwen3_moe" in supported_models.reused_moe_modules("qwen3_vl_moe")
+    assert "deepseek_v2" in supported_models.reused_moe_modules("vllm.models.deepseek_v32")
+    assert {r.status for r in rows.values()} <= set(supported_models.STATUSES)
 
 
-def test_served_means_the_end_to_end_tests_run_it() -> None:
-    """Every tiny architecture the table calls served runs in the BF16 token comparison."""
-    path = ROOT / "tests" / "engine" / "test_engine_e2e.py"
-    spec = importlib.util.spec_from_file_location("_engine_e2e", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert {arch for arch, _ in module.BF16_RUNS} == set(ARCHITECTURES)
+def test_the_committed_runs_hold_what_the_table_shows() -> None:
+    """Each committed run is the tool's JSON: per architecture its status, and for a served one
+    the tokens compared, the drift, the backend and the time taken; only registry MoE
+    architectures."""
+    results = supported_models.load_results()
+    known = supported_models.moe_architectures()
+    assert set(results) <= set(known), sorted(set(results) - set(known))
+    for arch, result in results.items():
+        statuses = ("served", "refused at config time", "cannot be checked here", "failed", "no recipe")
+        assert result["status"] in statuses, arch
+        assert result["seconds"] >= 0 and (result["reason"] or result["status"] == "served"), arch
+        if result["status"] == "served":
+            bf16 = result["checks"]["bfloat16"]
+            assert bf16["problem"] is None and bf16["drift"] <= bf16["bound"] and bf16["tokens_compared"] > 0, arch
+            assert bf16["backend"] and "4 CPU experts" in bf16["placement"], arch  # half of 8 on the CPU
 
 
-@pytest.mark.parametrize("architecture", sorted(REFUSED_ARCHITECTURES))
-def test_refused_architectures_fail_with_one_line(architecture: str) -> None:
-    with pytest.raises(KTConfigError) as error:
-        check_architecture({"architectures": [architecture], "model_type": "whatever"})
-    message = str(error.value)
-    assert message.startswith("--quantization='kt-hybrid' is invalid (") and "\n" not in message
-    assert architecture in message and REFUSED_ARCHITECTURES[architecture] in message
+def test_a_row_taken_from_another_is_built_on_its_moe_layers() -> None:
+    """A draft or wrapper takes a base architecture's row only where its module imports the
+    base's module (which builds the MoE layer) and the base is served on its own."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    rows = {row.architecture: row for row in supported_models.rows()}
+    for arch, (base, _) in TAKES_ROW_OF.items():
+        base_module = _VLLM_MODELS[base][0]
+        assert base_module in supported_models.reused_moe_modules(_VLLM_MODELS[arch][0]), (arch, base)
+        if rows[arch].detail.startswith(f"as `{base}`"):
+            assert rows[base].status == supported_models.SERVED, (arch, base)
 
 
-def test_a_config_naming_only_its_model_type_is_refused_too() -> None:
-    assert "gpt-oss" in (architecture_refusal({"model_type": "gpt_oss"}) or "")
-    assert "Llama 4" in (
-        architecture_refusal({"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}) or ""
-    )
-    assert architecture_refusal({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}) is None
+def test_json_written_by_the_tool_round_trips(tmp_path: Path) -> None:
+    """The table reads whatever runs are committed, a later file replacing an earlier one's
+    entry for the same architecture."""
+    entry = {"status": "cannot be checked here", "reason": "x", "seconds": 1.0}
+    (tmp_path / "a.json").write_text(json.dumps({"architectures": {"MixtralForCausalLM": entry}}))
+    later = {**entry, "reason": "y"}
+    (tmp_path / "b.json").write_text(json.dumps({"architectures": {"MixtralForCausalLM": later}}))
+    results = supported_models.load_results(tmp_path)
+    assert results["MixtralForCausalLM"]["reason"] == "y" and results["MixtralForCausalLM"]["run"] == "b.json"
+
+
+def test_the_end_to_end_tests_run_the_models_the_table_names() -> None:
+    assert {model for model, _ in supported_models.bf16_runs()} == set(supported_models.E2E_MODELS.values())
+
+
+def test_every_recipe_is_a_registry_moe_architecture() -> None:
+    assert set(RECIPES) <= set(supported_models.moe_architectures())
+
+
+@pytest.mark.parametrize("architecture", sorted(KT_KERNEL_CANNOT))
+def test_no_backend_for_the_configuration_is_refused_in_one_line(architecture: str) -> None:
+    config = {"architectures": [architecture], "model_type": "whatever"}
+    assert architecture_refusal(config) is None  # the torch backend serves it
+    for backend, quantization in (("kt_kernel", None), (None, "fp8")):
+        with pytest.raises(KTConfigError) as error:
+            check_architecture(config, backend, quantization)
+        message = str(error.value)
+        assert message.startswith("--quantization='kt-hybrid' is invalid (") and "\n" not in message
+        assert architecture in message and KT_KERNEL_CANNOT[architecture] in message
+
+
+def test_a_config_naming_only_its_model_type_is_known_too() -> None:
+    assert "gpt-oss" in (architecture_refusal({"model_type": "gpt_oss"}, "kt_kernel") or "")
+    llama4 = {"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}
+    assert "Llama 4" in (architecture_refusal(llama4, None, "fp8") or "")
+    qwen3 = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    assert architecture_refusal(qwen3, "kt_kernel") is None
+
+
+def test_a_recipe_trained_longer_keeps_the_other_recipes_cached_models() -> None:
+    """A recipe's own training steps change its cached model's key, not the others' (the
+    steps are not in a recipe's repr; the key names the steps used)."""
+    from vllm_kt_tools.model_check.checkpoint import TRAIN_STEPS, train_steps
+    from vllm_kt_tools.model_check.recipes import Recipe
+
+    assert train_steps(Recipe("granitemoe")) == TRAIN_STEPS
+    assert train_steps(Recipe("granitemoe", train_steps=400)) == 400
+    assert repr(Recipe("granitemoe", train_steps=400)) == repr(Recipe("granitemoe"))

@@ -259,6 +259,34 @@ def test_expert_weights_load_as_vllm_compat_says(instances: dict[str, object]) -
         load_expert_weight(layer, "w2_weight", down, "w2_weight", "w4", 5)
 
 
+def test_gpt_oss_copies_expert_stacks_past_the_loader() -> None:
+    """Why route_stack_copies exists: vLLM 0.32's gpt-oss loader copies each layer's stack of
+    all experts' unquantized tensors with ``param.copy_``, not through the expert loader.
+    When it stops, this fails and route_stack_copies can go."""
+    import inspect
+
+    from vllm.model_executor.models.gpt_oss import GptOssModel
+
+    source = inspect.getsource(GptOssModel._load_weights_other)
+    assert '".w13_weight" in name' in source and "param.copy_(narrow_weight)" in source
+
+
+def test_stack_copies_are_routed_until_released(vllm_layer_context) -> None:
+    from vllm_kt_plugin.hybrid.vllm_compat import route_stack_copies, stack_copies_released
+
+    layer = build_moe(None, num_experts=4).routed_experts
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    route_stack_copies(layer, ["w2_weight"], 8, lambda name, stack: seen.append((name, tuple(stack.shape))))
+    stack = torch.ones((8, *layer.w2_weight.shape[1:]), dtype=layer.w2_weight.dtype)
+    layer.w2_weight.copy_(stack)
+    assert seen == [("w2_weight", tuple(stack.shape))]
+    layer.w2_weight.copy_(stack[:4])  # the parameter's own shape: the tensor's own copy
+    assert len(seen) == 1 and torch.equal(layer.w2_weight.data, stack[:4])
+    stack_copies_released(layer)
+    with pytest.raises(RuntimeError):
+        layer.w2_weight.copy_(stack)
+
+
 @pytest.mark.parametrize("touch", EVERY_TOUCH, ids=lambda t: f"{t.owner}.{t.attribute}")
 def test_the_vllm_internal_exists(touch: Touch, instances: dict[str, object]) -> None:
     owner = owner_of(touch)

@@ -61,6 +61,34 @@ class Diagnostic:
 
 
 @dataclass(frozen=True)
+class ExpertMath:
+    """What each expert of a layer computes, as vLLM's layer declares it: ``activation``
+    (vLLM's MoEActivation value: "silu" is SiLU(gate) * up; a "_no_mul" suffix means no
+    gate), biases on both projections, SwiGLU's clamp and scale (gpt-oss, DeepSeek-V4), and
+    router weights applied to the expert's input instead of its output (Llama 4)."""
+
+    activation: str = "silu"
+    has_bias: bool = False
+    clamp: float | None = None  # SwiGLU's clamp of gate and up
+    alpha: float | None = None  # SwiGLU's scale inside the sigmoid
+    router_weight_on_input: bool = False
+
+    def differences(self) -> list[str]:
+        """How these experts differ from plain SiLU-gated ones without biases (which every
+        backend computes), in words."""
+        out = []
+        if self.activation != "silu":
+            out.append(f"{self.activation} activation")
+        if self.has_bias:
+            out.append("biases")
+        if self.clamp is not None or self.alpha is not None:
+            out.append(f"a clamped/scaled SwiGLU (limit {self.clamp}, alpha {self.alpha})")
+        if self.router_weight_on_input:
+            out.append("router weights applied to the input")
+        return out
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """What a backend needs to build the CPU experts of one MoE layer."""
 
@@ -78,6 +106,7 @@ class LayerSpec:
     load_format: str = "auto"
     # Batch sizes vLLM captures CUDA graphs for; empty without CUDA graphs.
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    math: ExpertMath = ExpertMath()
 
 
 class CPUExperts(ABC):
@@ -93,6 +122,17 @@ class CPUExperts(ABC):
     name: ClassVar[str]
     # Whether submit/sync may be captured in a CUDA graph (no host syncs, fixed buffers).
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the backend takes its experts as vLLM's layer loaded them (``load_loaded_experts``:
+    # vLLM's own loader, so any checkpoint layout, biases included) rather than as checkpoint
+    # tensors (``load_checkpoint_tensor``).
+    takes_loaded_experts: ClassVar[bool] = False
+
+    @classmethod
+    def cannot_compute(cls, math: ExpertMath) -> str | None:
+        """Why this backend cannot compute experts that do ``math``, or None where it can.
+        Default: SiLU-gated experts without biases only."""
+        differences = math.differences()
+        return f"{cls.name} computes SiLU-gated experts only, not {', '.join(differences)}" if differences else None
 
     @classmethod
     @abstractmethod
@@ -140,6 +180,13 @@ class CPUExperts(ABC):
         any expert when ``wants_all_experts``. Backends that read their own weight files
         ignore it (the default)."""
         return
+
+    def load_loaded_experts(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The CPU experts as vLLM loaded them (``takes_loaded_experts``), before its
+        post-processing, by vLLM's parameter name, one row per CPU expert in placement
+        order: ``w13_weight`` [n, 2I, H] (gate then up, or interleaved where the activation
+        says so) or [n, I, H] (no gate), ``w2_weight`` [n, H, I], ``w13_bias``, ``w2_bias``."""
+        raise NotImplementedError(f"{type(self).__name__} reads checkpoint tensors")
 
     @property
     def writes_gpu_layout(self) -> bool:

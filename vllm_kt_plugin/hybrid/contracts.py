@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
+
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -132,6 +134,7 @@ class LayerContext:
     backend: type[CPUExperts]
     make_native: Callable[[RoutedExperts, str], FusedMoEMethodBase]  # the checkpoint's method for a layer
     process: ProcessState
+    checkpoint: CheckpointFormat = CheckpointFormat()  # how the checkpoint stores its weights
 
 
 @dataclass(frozen=True)

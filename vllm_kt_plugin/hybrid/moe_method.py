@@ -19,7 +19,6 @@ import torch
 from torch.library import Library
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEParallelConfig,
@@ -29,22 +28,26 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts, LayerSpec
+from vllm_kt_plugin.hybrid.backend_choice import backend_for
 from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
+from vllm_kt_plugin.hybrid.loaded_experts import LoadedExperts, rows_in_slot_order
 from vllm_kt_plugin.hybrid.observers import RecordsDecode, RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
 from vllm_kt_plugin.hybrid.vllm_compat import (
     ask_for_amx_tiles,
-    clamped_swiglu,
+    expert_math,
     fused_shared_experts,
     layer_index,
     lora_enabled,
     native_moe_quant_config,
     native_view,
     prefill_context_parallel_size,
+    route_stack_copies,
     routed_experts_of,
     set_local_num_experts,
+    stack_copies_released,
     wrap_expert_weight_loaders,
 )
 from vllm_kt_plugin.planning.placement import ExpertPlacement
@@ -81,17 +84,10 @@ direct_register_custom_op("hybrid_moe", _hybrid_moe, fake_impl=_hybrid_moe_fake,
 
 
 def check_layer_supported(layer: RoutedExperts, moe: FusedMoEConfig) -> None:
-    """What kt-kernel (and the split itself) cannot do, refused at startup."""
+    """What kt-hybrid cannot do with any CPU backend, refused at startup (what the experts
+    compute is each backend's to say: ``backend_choice``)."""
     name = layer.layer_name
     problems = []
-    if moe.activation != MoEActivation.SILU:
-        problems.append(f"its experts use {moe.activation.value}; kt-kernel computes SiLU-gated experts only")
-    if moe.has_bias:
-        problems.append("its experts have biases, which kt-kernel does not support")
-    if clamped_swiglu(layer):
-        problems.append("its experts use a clamped/scaled SwiGLU, which kt-hybrid does not support")
-    if layer.apply_router_weight_on_input:
-        problems.append("it applies router weights on the input, which kt-hybrid does not support")
     parallel: FusedMoEParallelConfig = moe.moe_parallel_config
     if parallel.use_ep or parallel.enable_eplb:
         problems.append("expert parallelism / EPLB is enabled; kt-hybrid places experts itself")
@@ -143,6 +139,7 @@ def _layer_spec(layer: RoutedExperts, prefix: str, placement: ExpertPlacement, c
         download_dir=vllm_config.load_config.download_dir,
         load_format=str(vllm_config.load_config.load_format),
         cuda_graph_batch_sizes=cuda_graph_batch_sizes(vllm_config),
+        math=expert_math(layer),
     )
 
 
@@ -192,14 +189,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self.cpu: CPUExperts | None = None
         if self.placement.num_cpu_experts and moe.tp_rank == 0:
             spec = _layer_spec(layer, prefix, self.placement, chunk)
-            if spec.cuda_graph_batch_sizes and not context.backend.supports_cuda_graphs:
+            backend = backend_for(prefix, spec.math, context.backend, settings, context.checkpoint)
+            if spec.cuda_graph_batch_sizes and not backend.supports_cuda_graphs:
                 raise KTConfigError(
                     "KT_BACKEND",
-                    settings.backend,
+                    backend.name,
                     "this backend cannot run inside CUDA graphs",
                     "--enforce-eager, or KT_BACKEND=kt_kernel",
                 )
-            self.cpu = context.backend(spec, settings)
+            self.cpu = backend(spec, settings)
         if self.placement.num_cpu_experts and moe.tp_size > 1:
             logger.info_once(
                 "kt-hybrid: tensor-parallel rank %d of %d %s",
@@ -240,13 +238,14 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             if context.process.decode_timeline.armed:
                 self.observers.append(RecordsDecode(context.process.decode_timeline, self.layer_idx))
         self.dynamic: DynamicExperts | None = None  # built after loading with KT_DYNAMIC_GPU_EXPERTS
+        self.loaded_cpu_experts: LoadedExperts | None = None  # for a backend that takes them so
         self._create_args: dict[str, Any] = {}
         context.process.add_layer(self)
         logger.info_once(
             "kt-hybrid: each MoE layer keeps %s; GPU side: %s, CPU side: %s %s with %d threads",
             self.placement.describe(),
             type(self.native).__name__,
-            settings.backend,
+            self.cpu.name if self.cpu is not None else settings.backend,
             settings.method,
             settings.cpuinfer_threads,
         )
@@ -285,10 +284,29 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             self.native.create_weights(layer, num_experts=num_experts, **self._create_args)
         for path in self.paths:
             path.create_weights(layer, dict(self._create_args))
+        if self.cpu is not None and self.cpu.takes_loaded_experts:
+            self.loaded_cpu_experts = LoadedExperts(
+                layer, self.placement.num_cpu_experts, self.parts.make_shadow_native, dict(self._create_args)
+            )
         # Wrap the loaders the native method installed (it may have wrapped vLLM's own,
         # e.g. moe_wna16), so expert ids are translated before any of them runs.
         new = {name for name, _ in layer.named_parameters(recurse=False)} - existing
         wrap_expert_weight_loaders(layer, new, functools.partial(self._expert_weight_loader, layer))
+        route_stack_copies(layer, new, layer.global_num_experts, functools.partial(self._copy_expert_stack, layer))
+
+    def _copy_expert_stack(self, layer: RoutedExperts, param_name: str, stack: torch.Tensor) -> None:
+        """A model's copy of the whole layer's stack ``param_name`` (one row per expert, in
+        the parameter's layout; vllm_compat.route_stack_copies): the GPU experts' rows into
+        their slots, the CPU experts' to the backend that takes loaded experts."""
+        getattr(layer, param_name).data.copy_(rows_in_slot_order(stack, self.gpu.gpu_slot_of))
+        if self.cpu is None:
+            return
+        if self.loaded_cpu_experts is None:
+            raise NotImplementedError(
+                f"kt-hybrid: this model copies {self.layer_name}'s {param_name} past vLLM's expert loader; "
+                f"only a CPU backend that takes vLLM's loaded experts (torch) can take them, not {self.cpu.name}"
+            )
+        self.loaded_cpu_experts.copy_rows(param_name, rows_in_slot_order(stack, self.placement.cpu_slot_of()))
 
     def _expert_weight_loader(
         self, layer: RoutedExperts, native_loader: Callable[..., Any], param_name: str
@@ -302,6 +320,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         cpu = self.cpu
         paths = self.paths
         native = self.native
+        loaded_cpu_experts = self.loaded_cpu_experts
 
         def weight_loader(
             param: torch.nn.Parameter,
@@ -320,6 +339,8 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             if cpu is not None and (slot < 0 or cpu.wants_all_experts):
                 cpu.load_checkpoint_tensor(expert_id, shard_id, loaded_weight)
             if slot < 0:
+                if loaded_cpu_experts is not None:
+                    loaded_cpu_experts.load(param_name, loaded_weight, weight_name, shard_id, cpu_slots[expert_id])
                 for path in paths:
                     path.load_cpu_expert(param_name, loaded_weight, weight_name, shard_id, cpu_slots[expert_id])
                 return True if return_success else None
@@ -329,12 +350,15 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         return weight_loader
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        stack_copies_released(layer)
         if self.placement.num_gpu_experts:
             with native_view(layer, self.native):
                 self.native.process_weights_after_loading(layer)
             self.gpu.refuse_monolithic()
         self.gpu.to(self.moe.device)
         if self.cpu is not None:
+            if self.loaded_cpu_experts is not None and self.loaded_cpu_experts.loaded:
+                self.cpu.load_loaded_experts(self.loaded_cpu_experts.tensors())
             self.cpu.finalize_weights(self._deferral())
         for path in self.paths:
             path.after_loading(layer)

@@ -168,6 +168,7 @@ class KTHybridConfig(QuantizationConfig):
             backend=self.backend,
             make_native=self.native_moe_method,
             process=process_state(),
+            checkpoint=self.checkpoint,
         )
 
     def native_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_kt_plugin.architectures import check_architecture
+from vllm_kt_plugin.architectures import TORCH, check_architecture, kt_kernel_cannot
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.staging.plan import StagingFacts, plan_staging
@@ -65,7 +65,8 @@ def check_model(
     """Every check against the model: its experts, the GPU budget's inputs, the files and
     sizes the backend needs. Raises KTConfigError; returns warnings (one line each)."""
     config = hf_config.to_dict()
-    check_architecture(config)
+    given = dict(settings.given).get("KT_BACKEND")
+    check_architecture(config, settings.backend if given else None, checkpoint_format(hf_config).quant_method)
     num_experts, top_k = routed_expert_counts(hf_config)
     settings.check_model(num_experts, top_k)
     sized_to_gpu = settings.gpu_experts_auto and settings.gpu_memory_gb is None
@@ -78,7 +79,10 @@ def check_model(
         )
     check_plan(settings, config, num_experts)
     check_staging(settings, config, num_experts, has_gpu=platform_has_gpu() if has_gpu is None else has_gpu)
-    backend.check_model(settings, model, config)
+    # Experts kt-kernel cannot compute get the torch backend (hybrid.backend_choice): its
+    # checks apply, not kt-kernel's (which would look for kt-kernel's expert files).
+    serving = backend_class(TORCH) if kt_kernel_cannot(config) and not given else backend
+    serving.check_model(settings, model, config)
     return [warning for warning in [preset_mismatch(settings, config)] if warning]
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.cpu_backends.base import ExpertMath
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -311,6 +312,13 @@ TOUCHES: tuple[Touch, ...] = (
         "owner",
         "asks Linux for AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's CPU kernels do not",
     ),
+    Touch(
+        "vllm.model_executor.models.gpt_oss:GptOssModel",
+        "_load_weights_other",
+        "owner",
+        "copies each layer's stack of every expert's unquantized tensor with param.copy_, not through the "
+        "expert loader (route_stack_copies)",
+    ),
 )
 
 
@@ -488,6 +496,40 @@ def wrap_expert_weight_loaders(
             wrapped = wrap(loader, name)
             wrapped.supports_moe_loading = True  # type: ignore[attr-defined]
             param.weight_loader = wrapped  # type: ignore[attr-defined]
+
+
+def route_stack_copies(
+    layer: RoutedExperts, names: Iterable[str], num_experts: int, copy_stack: Callable[[str, torch.Tensor], None]
+) -> None:
+    """A copy into a parameter named in ``names`` of one tensor for each of the layer's
+    ``num_experts`` experts goes to ``copy_stack(name, stack)``; any other copy is the
+    tensor's own. vLLM 0.32's gpt_oss.py (``GptOssModel._load_weights_other``) loads
+    unquantized experts so, ``param.copy_(stack)``, past the expert loader. Until
+    ``stack_copies_released``."""
+    names = set(names)
+    for name, param in layer.named_parameters(recurse=False):
+        if name in names:
+            param.copy_ = _stack_copy(param, name, num_experts, copy_stack)  # type: ignore[method-assign]
+
+
+def _stack_copy(
+    param: torch.nn.Parameter, name: str, num_experts: int, copy_stack: Callable[[str, torch.Tensor], None]
+) -> Callable[..., torch.Tensor]:
+    own = param.copy_
+
+    def copy_(src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if src.dim() >= 1 and src.shape[0] == num_experts != param.shape[0]:
+            copy_stack(name, src)
+            return param
+        return own(src, non_blocking)
+
+    return copy_
+
+
+def stack_copies_released(layer: RoutedExperts) -> None:
+    """Undoes ``route_stack_copies``: after loading, copies are the tensors' own."""
+    for param in layer.parameters(recurse=False):
+        param.__dict__.pop("copy_", None)
 
 
 # --- expert maps ------------------------------------------------------------------------
@@ -717,3 +759,20 @@ def holding_scheduler_class(async_scheduling: bool) -> type:
     base = AsyncScheduler if async_scheduling else Scheduler
     name = "KTHybridAsyncScheduler" if async_scheduling else "KTHybridSyncScheduler"
     return type(name, (_HoldsNewRequests, base), {"__module__": __name__})
+
+
+# --- what the experts compute -----------------------------------------------------------
+
+
+def expert_math(layer: RoutedExperts) -> ExpertMath:
+    """What each expert of ``layer`` computes, from what vLLM 0.32 keeps on the layer and its
+    ``FusedMoEConfig``: ``activation`` (a MoEActivation), ``has_bias``, ``swiglu_limit`` and
+    ``swiglu_alpha`` (gpt-oss, DeepSeek-V4), ``apply_router_weight_on_input`` (Llama 4)."""
+    moe = layer.moe_config
+    return ExpertMath(
+        activation=moe.activation.value,
+        has_bias=bool(moe.has_bias),
+        clamp=layer.swiglu_limit,
+        alpha=layer.swiglu_alpha,
+        router_weight_on_input=bool(layer.apply_router_weight_on_input),
+    )

@@ -18,6 +18,7 @@ COMMANDS = {
     "profile": ("profile", "record per-layer expert activation counts for KT_EXPERT_PLACEMENT=frequency"),
     "bench": ("bench", "kt-hybrid vs plain vLLM vs --cpu-offload-gb on one GPU"),
     "make-tiny-model": ("make_tiny_model", "write a tiny trained MoE checkpoint (no download)"),
+    "check-models": ("check_models", "check kt-hybrid against plain vLLM on a tiny model of every MoE architecture"),
 }
 
 

@@ -1,43 +1,60 @@
-"""The Supported-models table: every MoE architecture of the installed vLLM's model registry,
-and what kt-hybrid does with it: served (and the test that checks it), refused at config
-time (with the line the user reads), or not checked.
+"""The Supported-models table: every MoE architecture of the installed vLLM's model registry
+and what kt-hybrid does with it, generated from the model check's committed results.
 
 An architecture counts as MoE where its own model module builds vLLM's fused-MoE layer
 (``FusedMoE(``, ``SharedFusedMoE(``, ``FusedMoEFactory(``), or imports from a module that
-does (multimodal wrappers, MTP drafts, variants such as Qwen3.5-MoE: their rows name the
-module whose MoE layers they reuse); of vLLM's Transformers backend, the classes named MoE.
-Which placements each served architecture runs with is read from the end-to-end test's
-``BF16_RUNS``, so the table cannot claim a run the tests do not make. The table is
-written into README.md (served and refused rows) and docs/supported_models.md (every
-row); ``tests/unit/test_supported_models.py`` checks both equal what this module
-generates. Regenerate with ``python -m vllm_kt_tools.support.supported_models``.
+does (multimodal wrappers, MTP drafts, variants: their rows name the module whose MoE
+layers they reuse); of vLLM's Transformers backend, the classes named MoE.
+
+Each row's status comes from the JSON files ``vllm-kt check-models`` wrote under
+``docs/model_checks/`` (``vllm_kt_tools.model_check``; a later file's entry for an
+architecture replaces an earlier one's), or from the row of the architecture it takes
+(``model_check.recipes.TAKES_ROW_OF``: the same class under another registry name, or a
+draft or wrapper built on a served architecture's MoE layer class). The five architectures
+the end-to-end tests train also say what else those tests check. README.md holds a short
+summary between its markers, docs/supported_models.md every row;
+``tests/unit/test_supported_models.py`` checks both equal what this module generates.
+Regenerate with ``python -m vllm_kt_tools.support.supported_models``.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-from vllm_kt_plugin.architectures import architecture_refusal
 from vllm_kt_plugin.source_checkout import checkout_path
-from vllm_kt_tools.support.tiny_models import ARCHITECTURES
 
 COMMAND = "python -m vllm_kt_tools.support.supported_models"
 README_START, README_END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 _MOE_LAYER = re.compile(r"\b(?:Shared)?FusedMoE\w*\(")
-_RELATIVE_IMPORT = re.compile(r"^from \.(\w+) import", re.MULTILINE)
+_MODULE_IMPORT = re.compile(r"^from (?:\.|vllm\.model_executor\.models\.)(\w+) import", re.MULTILINE)
 _E2E_TESTS = ("tests", "engine", "test_engine_e2e.py")  # read from the checkout (source_checkout)
 
-SERVED, REFUSED, NOT_CHECKED = "served", "refused at config time", "not checked"
-# How the served architectures are checked (tiny models trained on the spot, vLLM's CPU build
-# in CI): tests/engine/test_engine_e2e.py, greedy tokens against plain vLLM on the same checkpoint.
-_BF16_CHECK = "greedy tokens equal plain vLLM's with kt-kernel BF16 CPU experts"
+SERVED, REFUSED, CANNOT_CHECK, FAILED, NOT_CHECKED = (
+    "served",
+    "refused at config time",
+    "cannot be checked here",
+    "fails (a bug to fix)",
+    "not checked",
+)
+STATUSES = (SERVED, REFUSED, CANNOT_CHECK, FAILED, NOT_CHECKED)
+
+# The tiny models the end-to-end tests train (tests/engine/test_engine_e2e.py), by the
+# architecture they are, and what else those tests check on them.
+E2E_MODELS = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
 _PLACEMENTS = {"half on CPU": "half", "all on CPU": "all", "one GPU expert": "all but one (the split forced)"}
-# What else the tests check per architecture (test files under tests/engine/).
 _CHECKS = {
     "qwen3_moe": "deferral, dynamic experts, AMXINT8, tensor parallelism, block-FP8/GPTQ checkpoints (GPU)",
     "mixtral": "online AMXINT8/AMXINT4 within their bounds",
@@ -45,11 +62,9 @@ _CHECKS = {
     "glm4_moe": "exact in float32 with the torch backend",
     "qwen2_moe": "exact in float32 with the torch backend",
 }
-
-
-# The kt-kernel methods besides BF16 the tests run per architecture (CPU-build engine tests;
+# The kt-kernel methods besides BF16 the tests run per tiny model (CPU-build engine tests;
 # GPU: the quantized checkpoints' tests on the GPU host). LLAMAFILE is read from the GGUF
-# test's CASES and SERVED below, so the column cannot claim a run the tests do not make.
+# test's CASES and SERVED, so the column cannot claim a run the tests do not make.
 _METHODS = {
     "qwen3_moe": ("AMXINT8", "FP8 (GPU)", "GPTQ_INT4 (GPU)"),
     "mixtral": ("AMXINT4", "AMXINT8"),
@@ -58,6 +73,24 @@ _METHODS = {
     "qwen2_moe": (),
 }
 _GGUF_TESTS = ("tests", "engine", "test_gguf_e2e.py")
+# The README names these families where any of their architectures is served (first match).
+FAMILIES = (
+    ("DeepSeek", "Deepseek"),
+    ("Qwen", "Qwen"),
+    ("GLM", "Glm"),
+    ("MiniMax", "MiniMax"),
+    ("Mixtral", "Mixtral"),
+    ("HunYuan", ("HunYuan", "HYV")),
+    ("gpt-oss", "GptOss"),
+    ("Llama 4", "Llama4"),
+    ("Gemma 4", "Gemma4"),
+    ("Granite", "Granite"),
+    ("ERNIE", "Ernie"),
+    ("EXAONE", "Exaone"),
+    ("OLMoE", ("Olmoe", "FlexOlmo")),
+    ("Cohere", "Cohere"),
+    ("LFM2", "Lfm2"),
+)
 
 
 def _test_constant(test: tuple[str, ...], name: str) -> list:
@@ -69,21 +102,21 @@ def _test_constant(test: tuple[str, ...], name: str) -> list:
 
 
 def bf16_runs() -> list[tuple[str, str]]:
-    """The end-to-end test's ``BF16_RUNS`` (arch, placement), read from its source."""
+    """The end-to-end test's ``BF16_RUNS`` (tiny model, placement), read from its source."""
     return [tuple(run) for run in _test_constant(_E2E_TESTS, "BF16_RUNS")]
 
 
 def methods_tested(model_type: str) -> str:
-    """The kt-kernel methods the tests run on the tiny ``model_type``."""
+    """The kt-kernel methods the end-to-end tests run on the tiny ``model_type``."""
     cases = _test_constant(_GGUF_TESTS, "CASES") + _test_constant(_GGUF_TESTS, "SERVED")
     gguf = sorted({case[1] for case in cases if case[0] == model_type})
     llamafile = [f"LLAMAFILE ({', '.join(gguf)} GGUF)"] if gguf else []
     return ", ".join(["BF16", *_METHODS[model_type], *llamafile])
 
 
-def how_checked(model_type: str) -> str:
+def e2e_checks(model_type: str) -> str:
     placements = [_PLACEMENTS[placement] for arch, placement in bf16_runs() if arch == model_type]
-    return f"{_BF16_CHECK}, experts on the CPU: {', '.join(placements)}; {_CHECKS[model_type]}"
+    return f"end-to-end tests (tiny `{model_type}`): CPU experts {', '.join(placements)}; {_CHECKS[model_type]}"
 
 
 @dataclass(frozen=True)
@@ -91,8 +124,9 @@ class Row:
     architecture: str
     module: str
     status: str
-    detail: str  # how it is checked, or the refusal
-    methods: str = ""  # the kt-kernel methods the tests run (served rows)
+    backend: str  # the CPU backend that served its bf16 run ("" where none)
+    detail: str  # what the check measured, or why not
+    methods: str = ""  # the kt-kernel methods the end-to-end tests run (their five architectures)
 
 
 def _module_name(module: str) -> str:
@@ -131,11 +165,11 @@ def _builds_moe() -> frozenset[str]:
 
 
 def reused_moe_modules(module: str) -> list[str]:
-    """The registry modules that build fused-MoE layers and ``module`` imports from, where
-    it builds none itself (a wrapper, a draft, a variant)."""
+    """The registry modules that build fused-MoE layers and ``module`` imports from (relative
+    or absolute imports), where it builds none itself (a wrapper, a draft, a variant)."""
     if module == "transformers" or module in _builds_moe():
         return []
-    return sorted(set(_RELATIVE_IMPORT.findall(_source(module))) & _builds_moe())
+    return sorted(set(_MODULE_IMPORT.findall(_source(module))) & _builds_moe())
 
 
 def _is_moe(module: str, cls: str) -> bool:
@@ -144,51 +178,128 @@ def _is_moe(module: str, cls: str) -> bool:
     return bool(_MOE_LAYER.search(_source(module)))
 
 
-def served_architectures() -> dict[str, str]:
-    """Hugging Face architecture name -> tiny model type, for the tested tiny models."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]: model_type for model_type in ARCHITECTURES}
+def results_folder() -> Path:
+    """docs/model_checks/: the runs ``vllm-kt check-models`` wrote, in the checkout."""
+    return checkout_path("docs", "model_checks", needed_by=COMMAND)
 
 
-def rows() -> list[Row]:
-    served = served_architectures()
-    result = []
-    for arch, module in moe_architectures().items():
-        refusal = architecture_refusal({"architectures": [arch]})
-        if arch in served:
-            detail = f"tiny `{served[arch]}`: {how_checked(served[arch])}"
-            result.append(Row(arch, module, SERVED, detail, methods_tested(served[arch])))
-        elif refusal is not None:
-            result.append(Row(arch, module, REFUSED, refusal.split(": ", 1)[1]))
-        else:
-            reused = reused_moe_modules(module)
-            detail = f"reuses the MoE layers of {', '.join(f'`{m}`' for m in reused)}" if reused else ""
-            result.append(Row(arch, module, NOT_CHECKED, detail))
-    return result
+def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Architecture -> its latest result among the committed runs (files in name order)."""
+    results: dict[str, dict[str, Any]] = {}
+    for path in sorted((folder or results_folder()).glob("*.json")):
+        run = json.loads(path.read_text())
+        for arch, result in run["architectures"].items():
+            results[arch] = {**result, "run": path.name}
+    return results
+
+
+_STATUS = {
+    "served": SERVED,
+    "refused at config time": REFUSED,
+    "cannot be checked here": CANNOT_CHECK,
+    "failed": FAILED,
+    "no recipe": NOT_CHECKED,
+}
+
+
+def _measured(result: dict[str, Any]) -> str:
+    checks = result.get("checks") or {}
+    parts = []
+    bf16 = checks.get("bfloat16")
+    if bf16:
+        parts.append(
+            f"bf16: {bf16['tokens_compared']} greedy tokens, {bf16['differing']} of 6 completions part at a tie, "
+            f"drift {bf16['drift']:.2g}"
+        )
+    f32 = checks.get("float32")
+    if f32:
+        parts.append(f"float32 ({f32['backend']}): drift {f32['drift']:.1g}")
+    elif result.get("float32"):
+        parts.append(f"float32 not run: {result['float32']}")
+    parts.append(f"{result.get('weights', '')}; {result.get('seconds', 0):.0f} s ({result['run']})")
+    return "; ".join(parts)
+
+
+def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
+    if result is None:
+        reused = reused_moe_modules(module)
+        detail = f"reuses the MoE layers of {', '.join(f'`{m}`' for m in reused)}" if reused else ""
+        return Row(arch, module, NOT_CHECKED, "", detail)
+    from vllm_kt_tools.model_check.run import plain_failure_status
+
+    status = _STATUS[result["status"]]
+    if status == CANNOT_CHECK and plain_failure_status(str(result.get("reason"))) != result["status"]:
+        status = NOT_CHECKED  # plain vLLM rejected the tiny model: the recipe is wrong, not this build
+    bf16 = (result.get("checks") or {}).get("bfloat16") or {}
+    backend = (bf16.get("backend") or "").split(" ")[0] if status == SERVED else ""
+    detail = _measured(result) if status == SERVED else str(result.get("reason") or "")
+    model_type = E2E_MODELS.get(arch)
+    if model_type and status == SERVED:
+        return Row(arch, module, status, backend, f"{detail}; {e2e_checks(model_type)}", methods_tested(model_type))
+    return Row(arch, module, status, backend, detail.replace("|", "\\|").replace("\n", " "))
+
+
+def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
+    from vllm_kt_tools.model_check.recipes import TAKES_ROW_OF
+
+    results = load_results() if results is None else results
+    architectures = moe_architectures()
+    table = {arch: _row(arch, module, results.get(arch)) for arch, module in architectures.items()}
+    from vllm_kt_tools.support.vllm_internals import registry_models
+
+    models = registry_models()
+    same_class = {arch: b for arch in table for b in table if b != arch and models[b] == models[arch]}
+    takes = {**{a: (b, "the same class under another registry name") for a, b in same_class.items()}, **TAKES_ROW_OF}
+    for arch, (base, why) in takes.items():
+        if arch in table and table[arch].status == NOT_CHECKED and table.get(base, table[arch]).status == SERVED:
+            taken = table[base]
+            table[arch] = Row(arch, architectures[arch], SERVED, taken.backend, f"as `{base}` ({why})")
+    return list(table.values())
 
 
 def _table(selected: list[Row]) -> list[str]:
     lines = [
-        "| architecture | vLLM module | kt-hybrid | kt-kernel methods tested | how we know |",
-        "| --- | --- | --- | --- | --- |",
+        "| architecture | vLLM module | kt-hybrid | CPU backend | kt-kernel methods (e2e tests) | what was measured |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| `{r.architecture}` | `{r.module}` | {r.status} | {r.methods} | {r.detail} |" for r in selected]
+    lines += [
+        f"| `{r.architecture}` | `{r.module}` | {r.status} | {r.backend} | {r.methods} | {r.detail} |" for r in selected
+    ]
     return lines
 
 
+def counts(all_rows: list[Row]) -> dict[str, int]:
+    return {status: sum(r.status == status for r in all_rows) for status in STATUSES}
+
+
+def served_families(all_rows: list[Row]) -> list[str]:
+    served = [r.architecture for r in all_rows if r.status == SERVED]
+    return [
+        label
+        for label, prefixes in FAMILIES
+        if any(a.startswith(prefixes if isinstance(prefixes, tuple) else (prefixes,)) for a in served)
+    ]
+
+
 def readme_section() -> str:
-    """What README.md holds between its markers: the served and refused rows."""
+    """What README.md holds between its markers: the counts, the families served, the link."""
     all_rows = rows()
-    shown = [r for r in all_rows if r.status != NOT_CHECKED]
-    others = len(all_rows) - len(shown)
+    n = counts(all_rows)
+    line = (
+        f"Of the {len(all_rows)} MoE architectures in vLLM's registry, {n[SERVED]} are served with their greedy "
+        f"tokens checked against plain vLLM, {n[REFUSED]} refused at config time, {n[CANNOT_CHECK]} cannot be "
+        f"checked on vLLM's CPU build"
+    )
+    rest = [f"{n[FAILED]} fail (bugs to fix)"] if n[FAILED] else []
+    rest += [f"{n[NOT_CHECKED]} are not checked yet"] if n[NOT_CHECKED] else []
+    line += (", " + ", ".join(rest) if rest else "") + "."
     return "\n".join(
         [
             README_START,
-            *_table(shown),
-            "",
-            f"The other {others} MoE architectures of vLLM's registry are not checked: "
-            "[docs/supported_models.md](docs/supported_models.md) lists them.",
+            line,
+            f"Families served: {', '.join(served_families(all_rows))}.",
+            "Every architecture, its CPU backend and what was measured: "
+            "[docs/supported_models.md](docs/supported_models.md).",
             README_END,
         ]
     )
@@ -199,31 +310,50 @@ def docs_page() -> str:
     import vllm
 
     all_rows = rows()
-    counts = {status: sum(r.status == status for r in all_rows) for status in (SERVED, REFUSED, NOT_CHECKED)}
+    n = counts(all_rows)
+    runs, total_s = [], 0.0
+    for path in sorted(results_folder().glob("*.json")):
+        run = json.loads(path.read_text())
+        total_s += run["seconds"]
+        where = run.get("machine", {})
+        runs.append(
+            f"`{path.name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
+            f"({where.get('cores')} cores, kt-kernel {where.get('kt_kernel_variant')}, started {run.get('started')})"
+        )
     return "\n".join(
         [
             "# Supported models",
             "",
             f"Every MoE architecture in the model registry of vLLM {vllm.__version__} (an architecture whose model "
             "module builds vLLM's fused-MoE layer, or reuses those of a module that does: multimodal wrappers, MTP "
-            f"drafts, variants): {counts[SERVED]} served, {counts[REFUSED]} refused at config time, "
-            f"{counts[NOT_CHECKED]} not checked.",
+            f"drafts, variants): {n[SERVED]} served, {n[REFUSED]} refused at config time, {n[CANNOT_CHECK]} cannot be "
+            f"checked here, {n[FAILED]} fail (bugs to fix), {n[NOT_CHECKED]} not checked.",
             "",
-            "- **served**: a tiny model of the architecture, trained on the spot, gives plain vLLM's greedy tokens "
-            "through kt-hybrid (`tests/engine/test_engine_e2e.py`; the last column says what else is checked).",
-            "- **kt-kernel methods tested**: the `KT_METHOD`s the tests run on that tiny model: BF16 everywhere, "
-            "AMXINT4/AMXINT8 quantized online, LLAMAFILE from GGUF experts exported in the test "
+            "- **served**: a tiny model of the architecture (its config class, shrunk; weights briefly trained by "
+            "transformers' model class) gives plain vLLM's greedy tokens through `vllm serve --quantization "
+            "kt-hybrid` on vLLM's CPU build, with half of every MoE layer's experts on the CPU: bf16 with the "
+            "default CPU backend (column 4), tokens equal but at a tie of plain vLLM's own and the chosen-token "
+            "logprob drift within 0.05 nats; float32 with the torch backend, tokens equal and drift within 1e-4, "
+            "where plain vLLM runs float32 (`vllm_kt_tools/model_check`).",
+            "- **CPU backend**: `kt_kernel` where kt-kernel computes the experts; `torch` where it cannot (biases, a "
+            "clamped SwiGLU, other activations, router weights on the input): the plugin picks it for those layers "
+            "unless `KT_BACKEND` is set, and says so in its log.",
+            "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads.",
+            "- **cannot be checked here**: plain vLLM itself fails on this machine's vLLM build; the column gives "
+            "its error.",
+            "- an architecture that takes another's row (`as ...`) is the same class under another registry name, "
+            "or a draft or wrapper built on that architecture's MoE layer class.",
+            "- **kt-kernel methods (e2e tests)**: the `KT_METHOD`s the end-to-end tests run on their tiny models: "
+            "BF16 everywhere, AMXINT4/AMXINT8 quantized online, LLAMAFILE from GGUF experts exported in the test "
             "(`tests/engine/test_gguf_e2e.py`), the quantized checkpoints' own methods on the GPU host. Which "
             "method is fastest depends on the CPU, not the model: `vllm-kt doctor` ranks them, `KT_METHOD=auto` "
             "picks it ([cpu-methods.md](cpu-methods.md)).",
-            "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads "
-            "(`vllm_kt_plugin/architectures.py`; the column gives the reason).",
-            "- **not checked**: nothing here says whether kt-hybrid serves it. Its MoE layers are refused when "
-            "built where kt-kernel cannot compute them (experts that are not SiLU-gated, have biases, or take "
-            "router weights on the input).",
             "",
-            "Generated by `python -m vllm_kt_tools.support.supported_models` (checked by "
-            "`tests/unit/test_supported_models.py`).",
+            "Rerun: `vllm-kt check-models [ARCH ...] --out docs/model_checks/<name>.json` writes one JSON per run "
+            "(per architecture: the tokens compared, the drift, the backend, the time taken); this page is generated "
+            "from the committed JSON by `python -m vllm_kt_tools.support.supported_models`, and "
+            "`tests/unit/test_supported_models.py` fails when the two disagree. "
+            f"Runs: {'; '.join(runs) or 'none yet'}. Together (the full run's duration): {total_s / 60:.0f} min.",
             "",
             *_table(all_rows),
             "",

@@ -74,6 +74,19 @@ QUANTIZABLE = {"head_dim": 64, "moe_intermediate_size": 128, "qk_nope_head_dim":
 # GGUF experts (kt-kernel's LLAMAFILE): hidden size and expert width in whole 256-wide blocks
 # (its llamafile kernels return zeros for hidden 128 and wrong sums for 384: measured).
 GGUF_WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}
+# YaRN with factor 1 is plain RoPE (same math in transformers and vLLM), but vLLM then computes
+# it in PyTorch: its CPU rotary kernel (the "default" rope type) mis-rotates the strided 3-D
+# q_pe/k_pe tensors MLA hands it. Every MLA tiny model (and model-check recipe) uses it.
+PLAIN_ROPE_AS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 1.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def _arch_config(
@@ -128,19 +141,7 @@ def _arch_config(
             qk_nope_head_dim=wide.get("qk_nope_head_dim", 32),
             v_head_dim=wide.get("v_head_dim", 32),
             rope_interleave=True,
-            # YaRN with factor 1 is plain RoPE (same math in transformers and vLLM), but
-            # vLLM then computes it in PyTorch: its CPU rotary kernel (the "default" rope
-            # type) mis-rotates the strided 3-D q_pe/k_pe tensors MLA hands it.
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 1.0,
-                "original_max_position_embeddings": 512,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            rope_parameters=dict(PLAIN_ROPE_AS_YARN),
         )
     if arch == "glm4_moe":  # GLM-4.5/4.6: shared expert, sigmoid routing with a bias, partial rotary
         if quantizable:
@@ -183,6 +184,17 @@ def _arch_config(
 def chat_prompt(question: str) -> str:
     """``question`` as the tiny models' chat template renders it for generation."""
     return f"<|user|>{question}<|end|><|assistant|>"
+
+
+# The prompts the engine comparisons use (tests, model check): the training text's openings
+# and one chat, which the tiny models continue with confidence.
+PROMPTS = (
+    "The quick brown fox",
+    "A mixture of experts",
+    "vLLM serves",
+    "Once upon a time",
+    chat_prompt("What is the capital of France?"),
+)
 
 
 def training_text() -> str:
@@ -262,22 +274,31 @@ def print_training_progress(step: int, steps: int, loss: float) -> None:
         print(line, flush=True)
 
 
-def _train(model: Any, tokenizer: Any, steps: int, seed: int, progress: TrainingProgress | None = None) -> float:
-    """Teach ``model`` the built-in text; return the last loss. ``progress`` hears the
-    step and loss every PROGRESS_EVERY_S seconds and at the end."""
+def train(
+    model: Any,
+    tokenizer: Any,
+    steps: int,
+    seed: int,
+    progress: TrainingProgress | None = None,
+    batch: int = 16,
+    window: int = 64,
+) -> float:
+    """Teach ``model`` the built-in text (``batch`` windows of ``window`` tokens a step);
+    return the last loss. ``progress`` hears the step and loss every PROGRESS_EVERY_S
+    seconds and at the end."""
     import torch
 
     ids = torch.tensor(tokenizer(training_text())["input_ids"])
-    window = min(64, len(ids) - 1)
+    window = min(window, len(ids) - 1)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     loss = torch.tensor(float("nan"))
     shown = time.monotonic()
     for step in range(1, steps + 1):
-        starts = torch.randint(0, len(ids) - window, (16,), generator=gen)
-        batch = torch.stack([ids[i : i + window] for i in starts])
-        loss = model(input_ids=batch, labels=batch).loss
+        starts = torch.randint(0, len(ids) - window, (batch,), generator=gen)
+        windows = torch.stack([ids[i : i + window] for i in starts])
+        loss = model(input_ids=windows, labels=windows).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -317,7 +338,7 @@ def write_tiny_model(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     biases = _set_router_bias(model, seed)
-    loss = _train(model, tokenizer, train_steps, seed, progress)
+    loss = train(model, tokenizer, train_steps, seed, progress)
     model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.save_pretrained(out, safe_serialization=True)

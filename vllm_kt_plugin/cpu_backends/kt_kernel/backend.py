@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat, CPUExperts, Diagnostic, LayerSpec
-from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+from vllm_kt_plugin.cpu_backends.kt_kernel.compat import load_bf16_from_tensors, prepare_kt_kernel
 from vllm_kt_plugin.cpu_backends.kt_kernel.cores import keep_vllm_off_kt_cores, resolved_vllm_cores
 from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import check_cpu, check_weights, fastest_here
 from vllm_kt_plugin.cpu_backends.kt_kernel.gguf_files import (
@@ -42,7 +42,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     layer_is_damaged,
     quantize_into_cache,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import fp8_blocks
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_expert_tensors, fp8_blocks
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
     Checkpoint,
     check_default,
@@ -163,6 +163,22 @@ def _ct_weight_scheme(quant_config: dict[str, Any]) -> dict[str, Any]:
     for group in (quant_config.get("config_groups") or {}).values():
         return group.get("weights") or {}
     return {}
+
+
+def _takes_loaded_bf16(method: str, weight_path: str | None) -> bool:
+    """BF16 from the model's own checkpoint: where kt-kernel's loader cannot read its
+    experts, they are taken as vLLM loads them (``KTKernelExperts.from_loader``)."""
+    return method == "BF16" and weight_path is None
+
+
+def _kt_kernel_reads_layer(directory: str, layer: int, num_experts: int, hidden: int, intermediate: int) -> bool:
+    """Whether kt-kernel's BF16 loader finds this layer's experts in the checkpoint, named
+    and shaped as it reads them."""
+    try:
+        check_expert_tensors("BF16", directory, [layer], num_experts, hidden, intermediate, is_model_dir=True)
+    except KTConfigError:
+        return False
+    return True
 
 
 class KTKernelExperts(CPUExperts):
@@ -296,7 +312,16 @@ class KTKernelExperts(CPUExperts):
                 method, settings.weight_path, pools=settings.threadpool_count, model=shape, variant=variant
             )
         elif reads_model_dir:
-            check_model_directory(method, model_dir, shape)
+            try:
+                check_model_directory(method, model_dir, shape)
+            except KTConfigError as error:
+                if not _takes_loaded_bf16(method, settings.weight_path):
+                    raise
+                logger.info(
+                    "kt-hybrid: kt-kernel's BF16 loader does not read this checkpoint's experts (%s): it takes "
+                    "them as vLLM loads them",
+                    error.reason,
+                )
         if settings.weight_path is None and method in QUANTIZES_ONLINE:
             _check_cache_room(settings, model, model_dir, hf_config, shape)
 
@@ -341,6 +366,9 @@ class KTKernelExperts(CPUExperts):
         super().__init__(spec, settings)
         assert settings.method is not None
         self.method = settings.method
+        # BF16 experts kt-kernel's loader cannot read from the checkpoint: collected from
+        # vLLM's loader instead (decided on first use, when the files are local)
+        self._from_loader: bool | None = None
         self.wrapper: Any = None
         self.physical_to_logical: torch.Tensor | None = None
         self._stream = 0
@@ -372,7 +400,28 @@ class KTKernelExperts(CPUExperts):
         )
 
     @property
+    def from_loader(self) -> bool:
+        """Whether this layer's experts come from vLLM's loader (kt-kernel's BF16 loader
+        does not read them from the checkpoint: other tensor names or layouts)."""
+        if self._from_loader is None:
+            spec = self.spec
+            self._from_loader = (
+                _takes_loaded_bf16(self.method, self.settings.weight_path)
+                and spec.load_format != "dummy"
+                and not _kt_kernel_reads_layer(
+                    local_model_dir(spec.model, spec.revision, spec.download_dir),
+                    spec.layer_idx,
+                    spec.num_experts,
+                    spec.hidden_size,
+                    spec.intermediate_size,
+                )
+            )
+        return self._from_loader
+
+    @property
     def wants_all_experts(self) -> bool:
+        if self.from_loader:
+            return True
         if self._needs_quantizing is None:  # checked once: the loader asks for every tensor
             cache = self.cache
             spec = self.spec
@@ -410,7 +459,7 @@ class KTKernelExperts(CPUExperts):
         if self._collected is None:
             self._collected = ExpertTensors(spec.num_experts, spec.hidden_size, spec.intermediate_size)
         self._collected.put(expert_id, shard_id, tensor)
-        if self._collected.complete:
+        if self._collected.complete and not self.from_loader:
             self._quantize()
 
     def _quantize(self) -> None:
@@ -458,6 +507,9 @@ class KTKernelExperts(CPUExperts):
             # Graph replays reuse the addresses captured for each batch size: kt-kernel
             # keeps one set of pinned/device buffers per listed size (else it reallocates).
             kt_kernel.KTMoEWrapper.set_capture_batch_sizes(list(spec.cuda_graph_batch_sizes))
+        if self.from_loader:
+            self._load_collected(kt_kernel)
+            return
         self._complete_online_weights()
         if self.cache is not None:
             weight_path = str(self.cache)
@@ -480,6 +532,34 @@ class KTKernelExperts(CPUExperts):
             spec.layer_name,
             f"loaded {spec.placement.num_cpu_experts} CPU experts ({self.method}, kt-kernel "
             f"{kt_kernel.__cpu_variant__} kernels, {settings.cpuinfer_threads} threads) from {weight_path}",
+            time.perf_counter() - start,
+        )
+
+    def _load_collected(self, kt_kernel: Any) -> None:
+        """kt-kernel BF16 experts from the tensors vLLM's loader handed over (``from_loader``)."""
+        spec, collected = self.spec, self._collected
+        if collected is None or not collected.complete:
+            missing = collected.missing() if collected is not None else 3 * spec.num_experts
+            raise RuntimeError(
+                f"kt-hybrid: {spec.layer_name}: vLLM's loader gave {3 * spec.num_experts - missing} of the "
+                f"{3 * spec.num_experts} expert gate/up/down tensors kt-kernel needs"
+            )
+        start = time.perf_counter()
+        self.physical_to_logical = torch.arange(spec.num_experts, dtype=torch.long)
+        self.wrapper = load_bf16_from_tensors(
+            kt_kernel,
+            spec.layer_idx,
+            collected.gate,
+            collected.up,
+            collected.down,
+            self.physical_to_logical,
+            **self._wrapper_args(),
+        )
+        self._collected = None
+        PROGRESS.layer_ready(
+            spec.layer_name,
+            f"loaded {spec.placement.num_cpu_experts} CPU experts (BF16, kt-kernel {kt_kernel.__cpu_variant__} "
+            f"kernels, {self.settings.cpuinfer_threads} threads) from the tensors vLLM loaded",
             time.perf_counter() - start,
         )
 

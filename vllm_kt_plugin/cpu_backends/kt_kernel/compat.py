@@ -18,6 +18,8 @@ Both apply only when torch sees no accelerator.
    picks are kept out of the selection and stay -1 in both halves. Applies everywhere.
    kt-kernel counts nothing it defers, so the wrapper also logs once per process that
    deferral ran (the tests read that line: deferral silently off must fail them).
+4. The BF16 method reads its experts only from safetensors files under kt-kernel's own
+   names; ``load_bf16_from_tensors`` hands it tensors instead (checkpoints named otherwise).
 """
 
 from __future__ import annotations
@@ -118,3 +120,43 @@ class DeferralLog:
 
 
 DEFERRAL_LOG = DeferralLog()
+
+
+class _LoadedExperts:
+    """Stands in for kt-kernel's safetensors loader (``NativeMoEWrapper``'s class-wide
+    ``_native_loader_instance``), handing it one layer's experts as tensors: kt-kernel
+    0.7.2's BF16 method reads only files named as its loader expects (``model.layers.N.mlp
+    .experts.E.gate_proj.weight`` and two others), and has no ``load_weights_from_tensors``."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        self.experts = {"gate": list(gate.unbind()), "up": list(up.unbind()), "down": list(down.unbind())}
+
+    def load_experts(self, base_key: str) -> dict[str, list[torch.Tensor]]:
+        return self.experts
+
+    def close_all_handles(self) -> None:
+        return
+
+
+def load_bf16_from_tensors(
+    kt_kernel: types.ModuleType,
+    layer_idx: int,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    physical_to_logical: torch.Tensor,
+    **wrapper_args: Any,
+) -> Any:
+    """A BF16 ``KTMoEWrapper`` of one layer whose experts are the given [experts, ...]
+    tensors (gate and up [E, I, H], down [E, H, I]), not files: the stand-in loader is
+    installed for the wrapper's construction and ``load_weights`` (which copies the experts
+    into kt-kernel's own buffers and then releases the loader)."""
+    from kt_kernel.utils.amx import NativeMoEWrapper
+
+    NativeMoEWrapper._native_loader_instance = _LoadedExperts(gate, up, down)
+    try:
+        wrapper = kt_kernel.KTMoEWrapper(layer_idx=layer_idx, weight_path="(tensors)", **wrapper_args)
+        wrapper.load_weights(physical_to_logical)
+    finally:
+        NativeMoEWrapper._native_loader_instance = None
+    return wrapper

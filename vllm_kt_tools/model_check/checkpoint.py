@@ -1,0 +1,175 @@
+"""Write the tiny model of a recipe: tokenizer, config, random weights (BF16 safetensors).
+
+The tokenizer is the tiny models' own (``support.tiny_models``): a byte-level BPE trained
+on a built-in text, so no hub is needed. The weights are drawn by transformers' model
+class (its own initialisation, biases and norms included) and saved with
+``save_pretrained``, i.e. in the checkpoint layout vLLM's loaders read for that
+architecture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_tools.model_check.recipes import RECIPES, Recipe, shrink
+from vllm_kt_tools.support.tiny_models import CHAT_TEMPLATE, train, write_tokenizer
+
+# Bump when recipes, shapes or weights change: cached models are keyed by it.
+CHECKPOINT_VERSION = 3
+# Random weights leave near-uniform logits (the tiny Qwen3-MoE's greedy steps at -4.2 with
+# three tokens within 0.02: another kernel's rounding picks any of them), so the models are
+# trained briefly on the tiny models' text (``tiny_models.train``), as the end-to-end tests'
+# are: they then predict their prompts' continuations with wide margins.
+TRAIN_STEPS = 200
+# Where transformers' model class cannot train (on this CPU, in this time), random weights
+# with this std instead of initializer_range's 0.02: their logits spread more.
+WEIGHT_STD = 0.1
+_META = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype"}
+
+
+def _changed(defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k not in _META and defaults.get(k) != v}
+
+
+def build_config(architecture: str, recipe: Recipe, vocab_size: int) -> Any:
+    """The tiny config: the config class's defaults, shrunk, the recipe's overrides."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(recipe.model_type).to_dict()
+    tokens = {"vocab_size": vocab_size, "bos_token_id": 0, "eos_token_id": 4, "pad_token_id": 0}
+    text_defaults = defaults.get("text_config")
+    if isinstance(text_defaults, dict):
+        text = {**shrink(text_defaults, recipe.layers), **recipe.config, **tokens}
+        kwargs = {"text_config": _changed(text_defaults, text) | {"vocab_size": vocab_size}, **recipe.outer}
+    else:
+        values = {**shrink(defaults, recipe.layers), **recipe.config, **tokens}
+        kwargs = {**_changed(defaults, values), **recipe.outer}
+    config = AutoConfig.for_model(recipe.model_type, **kwargs)
+    config.architectures = [architecture]
+    return config
+
+
+def train_steps(recipe: Recipe) -> int:
+    """The recipe's own training steps, else TRAIN_STEPS."""
+    return recipe.train_steps or TRAIN_STEPS
+
+
+def _model_class(architecture: str, recipe: Recipe) -> Any:
+    import transformers
+
+    return getattr(transformers, recipe.hf_class or architecture)
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Redraw every weight matrix with std WEIGHT_STD (norms, biases and special
+    parameters keep transformers' initialisation)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "norm" not in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * WEIGHT_STD)
+
+
+def _router_biases(model: Any, seed: int) -> None:
+    """The routers' correction biases get random values and are made persistent, so that
+    ``save_pretrained`` writes them under the checkpoint's own names (transformers keeps
+    them as unsaved buffers; vLLM loads them)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+                    module._non_persistent_buffers_set.discard(name)
+
+
+def renamed(name: str, renames: dict[str, str] | Any) -> str:
+    """``name`` with each of ``renames``' parts replaced by its value."""
+    for part, new in renames.items():
+        name = name.replace(part, new)
+    return name
+
+
+def rename_tensors(out: Path, renames: Any) -> None:
+    """Rewrite the saved safetensors (and their index) with ``renamed`` tensor names."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        save_file({renamed(k, renames): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {renamed(k, renames): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
+def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """The tiny ``architecture`` model of its recipe, in ``out_dir``."""
+    import torch
+
+    recipe = RECIPES[architecture]
+    torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy machine
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_tokenizer(out)
+    config = build_config(architecture, recipe, vocab_size)
+    torch.manual_seed(seed)
+    model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
+    _router_biases(model, seed)
+    steps = train_steps(recipe)
+    weights = f"trained {steps} steps"
+    try:
+        loss = train(model, tokenizer_of(out), steps, seed, batch=8, window=32)
+        weights += f", loss {loss:.2f}"
+    except Exception as error:  # noqa: BLE001 - transformers' class cannot train here: random weights
+        torch.manual_seed(seed)
+        model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
+        _router_biases(model, seed)
+        _randomize(model, seed)
+        weights = f"random, std {WEIGHT_STD} (training failed: {type(error).__name__}: {str(error)[:200]})"
+    model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.config.architectures = [architecture]
+    model.save_pretrained(out, safe_serialization=True)
+    if recipe.renames:
+        rename_tensors(out, recipe.renames)
+    if recipe.config_json:
+        written = json.loads((out / "config.json").read_text())
+        merged = {**written, **recipe.config_json}
+        (out / "config.json").write_text(json.dumps({k: v for k, v in merged.items() if v is not None}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 4, "do_sample": False}))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "MODEL_CHECK.json").write_text(
+        json.dumps({"architecture": architecture, "version": CHECKPOINT_VERSION, "weights": weights})
+    )
+    return out
+
+
+def tokenizer_of(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def weights_of(model_dir: Path) -> str:
+    """How the checkpoint's weights were made (MODEL_CHECK.json)."""
+    return str(json.loads((model_dir / "MODEL_CHECK.json").read_text()).get("weights", ""))
+
+
+def checkpoint_dir(architecture: str, root: str | Path) -> Path:
+    """``root/<architecture>-<hash of its recipe and CHECKPOINT_VERSION>``, written on first use."""
+    recipe = RECIPES[architecture]
+    made = f"{CHECKPOINT_VERSION} {WEIGHT_STD} {train_steps(recipe)} {recipe!r}"
+    key = hashlib.sha256(made.encode()).hexdigest()[:10]
+    out = Path(root) / f"{architecture}-{key}"
+    if not (out / "MODEL_CHECK.json").exists():
+        write_checkpoint(architecture, out)
+    return out

@@ -1,0 +1,456 @@
+"""How to make a tiny model of each MoE architecture: its config class and what to shrink.
+
+A recipe names the ``model_type`` whose config class (transformers' or vLLM's) the tiny
+config is built from; ``shrink`` makes every size that config class has tiny (the keys it
+lacks are left alone), then the recipe's own overrides apply (layer patterns, routing
+options, sizes a kernel needs). Weights come from transformers' model class of that
+config (``hf_class``), random, unless the recipe says otherwise (``checkpoint``).
+
+Sizes: hidden 128 and heads of 32 satisfy vLLM's CPU attention and kt-kernel's BF16
+kernels; MLA keeps kv_lora_rank 512 + qk_rope_head_dim 64 (vLLM's CPU MLA kernel takes
+only a 576-wide head). 8 experts, top-2, so that half the experts are 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kt_tools.support.tiny_models import PLAIN_ROPE_AS_YARN
+
+NUM_EXPERTS = 8
+TOP_K = 2
+HIDDEN = 128
+
+# key -> tiny value, applied to a config (or its text config) wherever the key exists and
+# is set (None stays None: e.g. q_lora_rank None means "no q compression").
+_SHRINK: Mapping[str, Any] = {
+    "hidden_size": HIDDEN,
+    "d_model": HIDDEN,
+    "intermediate_size": 256,
+    "ffn_hidden_size": 256,
+    "intermediate_size_mlp": 256,
+    "dense_intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "expert_ffn_hidden_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "moe_shared_expert_intermediate_size": 64,
+    "shared_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "n_heads": 4,
+    "head_dim": 32,
+    "num_experts": NUM_EXPERTS,
+    "n_routed_experts": NUM_EXPERTS,
+    "num_local_experts": NUM_EXPERTS,
+    "moe_num_experts": NUM_EXPERTS,
+    "num_experts_per_tok": TOP_K,
+    "num_experts_per_token": TOP_K,
+    "moe_topk": TOP_K,
+    "moe_k": TOP_K,
+    "moe_top_k": TOP_K,
+    "top_k_experts": TOP_K,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "max_position_embeddings": 512,
+    "sliding_window": 64,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+}
+# Per-layer lists that shrink with the layer count (their first N entries, unless the
+# recipe gives its own pattern).
+_PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "no_rope_layers", "num_attention_heads_per_layer")
+_LAYER_COUNTS = ("num_hidden_layers", "n_layers", "num_layers")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A tiny model of one registry architecture."""
+
+    model_type: str  # the config class's model_type (AutoConfig.for_model, or vLLM's config registry)
+    config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the (text) config
+    layers: int = 2
+    outer: Mapping[str, Any] = field(default_factory=dict)  # overrides of a multimodal config's outer level
+    hf_class: str | None = None  # transformers' model class, where not the architecture's own name
+    # "hf": random weights from transformers' model class; "vllm": random weights written
+    # in the tensor names vLLM's own loader reads (no transformers model class)
+    weights: str = "hf"
+    # keys added to the written config.json (None: removed): what vLLM reads of the
+    # architecture's released config where transformers' class keeps it under other names
+    config_json: Mapping[str, Any] = field(default_factory=dict)
+    # tensor-name parts renamed after saving (transformers' part: the released checkpoint's),
+    # where transformers' save_pretrained writes a name vLLM's loader does not read
+    renames: Mapping[str, str] = field(default_factory=dict)
+    float32: bool = True  # plain vLLM runs this model in float32 (False: the measured reason is in notes)
+    notes: str = ""
+    # Training steps where checkpoint.TRAIN_STEPS leave a greedy step near a tie (the reason by
+    # the recipe). Not in the repr: the cache key names the steps used (checkpoint_dir).
+    train_steps: int | None = field(default=None, repr=False)
+
+
+def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The config ``values`` with every size in ``_SHRINK`` tiny and ``layers`` layers."""
+    out = dict(values)
+    for key, tiny in _SHRINK.items():
+        if out.get(key) is not None:
+            out[key] = tiny
+    heads = out.get("num_attention_heads") or out.get("n_heads")
+    kv = values.get("num_key_value_heads")
+    if kv is not None and heads:
+        # MHA stays MHA; GQA gets 2 KV heads
+        out["num_key_value_heads"] = heads if kv == values.get("num_attention_heads") else min(2, heads)
+    for key in _LAYER_COUNTS:
+        if out.get(key) is not None:
+            out[key] = layers
+    for key in _PER_LAYER:
+        if isinstance(out.get(key), list) and len(out[key]) > layers:
+            out[key] = out[key][:layers]
+    if out.get("n_group") and out["n_group"] > 1:
+        out["n_group"], out["topk_group"] = 2, 1
+    if out.get("first_k_dense_replace"):
+        out["first_k_dense_replace"] = 1
+    if out.get("kv_lora_rank") and out.get("qk_rope_head_dim") is not None:  # MLA: derived widths follow
+        if "qk_head_dim" in out:
+            out["qk_head_dim"] = out.get("qk_nope_head_dim", 0) + out["qk_rope_head_dim"]
+        if "head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]
+    return out
+
+
+# Measured on vLLM 0.32's CPU build (../shared/FACTS.md): its gated-delta-net attention kernel
+# refuses float32 ("CPU GDN attention requires BF16").
+# Qwen3-Next and Qwen3.5's hybrid layout: linear attention (Gated DeltaNet) beside full attention.
+_GATED_DELTANET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "head_dim": 64,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
+
+# Architecture (registry name) -> its recipe. Overrides say why where not obvious.
+RECIPES: dict[str, Recipe] = {
+    "Qwen3MoeForCausalLM": Recipe("qwen3_moe", {"norm_topk_prob": True}),
+    "MixtralForCausalLM": Recipe("mixtral"),
+    "Qwen2MoeForCausalLM": Recipe("qwen2_moe", {"layer_types": ["full_attention"] * 2}),
+    "OlmoeForCausalLM": Recipe("olmoe"),
+    # vLLM reads these of MiniMax-M2's released config.json; transformers' class lacks them
+    "MiniMaxM2ForCausalLM": Recipe(
+        "minimax_m2",
+        {"rotary_dim": 16, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True},
+    ),
+    "Glm4MoeForCausalLM": Recipe("glm4_moe", {"n_group": 1, "topk_group": 1, "head_dim": 32}, layers=3),
+    "DeepseekV2ForCausalLM": Recipe(
+        "deepseek_v2",
+        {
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "topk_method": "group_limited_greedy",
+            "num_experts_per_tok": TOP_K,
+            "moe_intermediate_size": 64,
+        },
+        layers=3,
+    ),
+    "DeepseekV3ForCausalLM": Recipe(
+        "deepseek_v3",
+        {
+            "topk_method": "noaux_tc",
+            "n_group": 2,
+            "topk_group": 1,
+            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
+        },
+        layers=3,
+    ),
+    "Qwen3NextForCausalLM": Recipe(
+        "qwen3_next",
+        _GATED_DELTANET,
+        float32=False,
+        notes=_GDN_BF16,
+    ),
+    "Qwen3_5MoeForCausalLM": Recipe(
+        "qwen3_5_moe_text",
+        _GATED_DELTANET,
+        float32=False,
+        notes=_GDN_BF16,
+    ),
+    "HYV3ForCausalLM": Recipe(
+        "hy_v3",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "first_k_dense_replace": 1,
+            "expert_hidden_dim": 64,
+            "route_norm": True,
+        },
+        layers=3,
+    ),
+    "HunYuanMoEV1ForCausalLM": Recipe("hunyuan_v1_moe", {"head_dim": 32, "intermediate_size": 64}),
+    "AfmoeForCausalLM": Recipe(
+        "afmoe",
+        {
+            "num_dense_layers": 1,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "score_func": "sigmoid",
+            "route_norm": True,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        layers=3,
+    ),
+    "Cohere2MoeForCausalLM": Recipe(
+        "cohere2_moe",
+        {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["sparse"] * 2, "logit_scale": 1.0},
+    ),
+    "DbrxForCausalLM": Recipe(
+        "dbrx",
+        {
+            "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0},
+            "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": NUM_EXPERTS, "moe_top_k": TOP_K},
+        },
+    ),
+    "Ernie4_5_MoeForCausalLM": Recipe(
+        "ernie4_5_moe",
+        {"moe_layer_start_index": 1, "moe_layer_end_index": 2, "moe_num_shared_experts": 1, "head_dim": 32},
+        layers=3,
+    ),
+    "ExaoneMoeForCausalLM": Recipe(
+        "exaone_moe",
+        {
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "head_dim": 32,
+        },
+        layers=3,
+    ),
+    "FlexOlmoForCausalLM": Recipe("flex_olmo"),
+    "Gemma4ForCausalLM": Recipe(
+        "gemma4_text",
+        {
+            "enable_moe_block": True,
+            "num_experts": NUM_EXPERTS,
+            "top_k_experts": TOP_K,
+            "moe_intermediate_size": 64,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "per_layer_config": {},
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 512,
+        },
+    ),
+    "GptOssForCausalLM": Recipe("gpt_oss", {"layer_types": ["sliding_attention", "full_attention"]}),
+    # 200 steps (loss 0.09) left the chat prompt's 12th greedy step a tie of one bf16 ulp of the
+    # logits (0.0625 nats, 2026-12-07-1.json) that kt-hybrid's bf16 rounding closed with either
+    # CPU backend (torch: the same flip, drift 0.032; 2026-12-07, 2 cores): trained longer.
+    "GraniteMoeForCausalLM": Recipe("granitemoe", train_steps=400),
+    "GraniteMoeSharedForCausalLM": Recipe("granitemoeshared", {"shared_intermediate_size": 64}),
+    "GraniteMoeSWAForCausalLM": Recipe(
+        "granitemoe_swa",
+        {"layer_types": ["full_attention", "sliding_attention"], "layer_rope_theta": [10000.0, 10000.0]},
+    ),
+    "GraniteMoeHybridForCausalLM": Recipe(
+        "granitemoehybrid",
+        {
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 64,
+            "shared_intermediate_size": 64,
+        },
+    ),
+    "JambaForCausalLM": Recipe(
+        "jamba",
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "mamba_dt_rank": 8,
+            "mamba_d_state": 16,
+            "use_mamba_kernels": False,
+        },
+    ),
+    "LagunaForCausalLM": Recipe(
+        "laguna",
+        {
+            "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+            "num_attention_heads_per_layer": [4, 4, 4],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+        },
+        layers=3,
+    ),
+    "Lfm2MoeForCausalLM": Recipe(
+        "lfm2_moe", {"num_dense_layers": 1, "layer_types": ["conv", "full_attention", "conv"]}, layers=3
+    ),
+    "Llama4ForCausalLM": Recipe(
+        "llama4_text",
+        {
+            "intermediate_size": 64,
+            "num_experts_per_tok": 1,
+            "moe_layers": [0, 1],
+            "no_rope_layers": [1, 0],
+            "layer_types": ["chunked_attention", "full_attention"],
+            "attention_chunk_size": 128,  # vLLM's chunked local attention: a multiple of its block size
+        },
+    ),
+    "MellumForCausalLM": Recipe(
+        "mellum", {"layer_types": ["full_attention", "sliding_attention"], "mlp_layer_types": ["sparse"] * 2}
+    ),
+    "MiMoV2FlashForCausalLM": Recipe(
+        "mimo_v2_flash",
+        {
+            "head_dim": 64,
+            "v_head_dim": 64,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        layers=3,
+    ),
+    "NemotronHForCausalLM": Recipe(
+        "nemotron_h",
+        {
+            "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "ssm_state_size": 16,
+            "n_groups": 1,
+            "chunk_size": 64,
+            "moe_intermediate_size": 64,
+            "moe_shared_expert_intermediate_size": 64,
+        },
+        layers=4,
+    ),
+    "PhiMoEForCausalLM": Recipe("phimoe", hf_class="PhimoeForCausalLM"),
+    "DeepseekV4ForCausalLM": Recipe(
+        "deepseek_v4",
+        {
+            "head_dim": 512,
+            "num_key_value_heads": 1,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 64,
+            "o_groups": 2,
+            "o_lora_rank": 64,
+            "index_n_heads": 2,
+            # vLLM's compressor (deepseek_v4/compressor.py) takes only 128 and 512 wide heads
+            "index_head_dim": 128,
+            "index_topk": 16,
+            "compress_ratios": [0, 4, 128],
+            "num_hash_layers": 1,
+            "layer_types": None,
+            "mlp_layer_types": None,
+        },
+        layers=3,
+        # as the released config.json: vLLM's config class (on transformers' base, whose
+        # validator takes only sparse/dense MLP layer types) reads these, not transformers' lists
+        config_json={
+            "compress_ratios": [0, 4, 128],
+            "num_hash_layers": 1,
+            "expert_dtype": "bf16",
+            "topk_method": "noaux_tc",  # vLLM builds the routers' correction biases only with it
+            "mlp_layer_types": None,
+            "layer_types": None,
+        },
+        # transformers' HC head (``model.hc_head.hc_fn``) and KV norm (``attn.norm``) are
+        # ``hc_head_fn`` and ``attn.kv_norm`` in the released checkpoint, which vLLM's loader reads
+        renames={"model.hc_head.hc_": "model.hc_head_", ".attn.norm.": ".attn.kv_norm."},
+    ),
+    "Glm5NextForConditionalGeneration": Recipe(
+        "glm5_next",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
+            "indexer_types": ["full", "full", "full"],
+            "linear_head_dim": 32,
+            "linear_num_heads": 4,
+            "index_head_dim": 128,
+            "index_n_heads": 2,
+            "index_topk": 32,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "qk_rope_head_dim": 0,
+            "qk_head_dim": 64,
+        },
+        layers=3,
+    ),
+    # GLM-5 (DeepSeek-V3.2's sparse attention with GLM's MoE)
+    "GlmMoeDsaForCausalLM": Recipe(
+        "glm_moe_dsa",
+        {"index_head_dim": 128, "index_n_heads": 2, "index_topk": 16, "n_group": 1, "topk_group": 1},
+        layers=3,
+    ),
+    "Glm4MoeLiteForCausalLM": Recipe(
+        "glm4_moe_lite",
+        {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
+        layers=3,
+    ),
+    "DeepseekV32ForCausalLM": Recipe(
+        "deepseek_v32",
+        {
+            "index_head_dim": 128,
+            "index_n_heads": 2,
+            "index_topk": 16,
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "topk_method": "noaux_tc",
+        },
+        layers=3,
+    ),
+    "KimiLinearForCausalLM": Recipe(
+        "kimi_linear",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_head_dim": 64,
+            "linear_num_heads": 2,
+            "num_expert_group": 1,
+        },
+        layers=3,
+    ),
+    "LongcatFlashForCausalLM": Recipe(
+        "longcat_flash", {"zero_expert_num": 4, "ffn_hidden_size": 256, "expert_ffn_hidden_size": 64}
+    ),
+    "AXK1ForCausalLM": Recipe("axk1", {"n_group": 2, "topk_group": 1}, layers=3),
+    "HYV4ForCausalLM": Recipe(
+        "hy_v4",
+        {
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["indexed_attention"] * 3,
+            "indexer_types": ["full", "full", "shared"],
+            "index_head_dim": 128,
+            "index_n_heads": 2,
+            "index_topk": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        layers=3,
+    ),
+}
+
+
+# Drafts and multimodal wrappers that take a served architecture's row: their module imports
+# the base's module and builds its decoder layers (so its MoE layer class) on the base's
+# config (tests/unit/test_supported_models.py checks the import; the row is taken only while
+# the base is served).
+_MTP = "an MTP draft built of the base's decoder layers"
+_EAGLE = "an EAGLE draft built of the base's decoder layers"
+_TEXT = "a multimodal wrapper whose text model is the base's"
+TAKES_ROW_OF: dict[str, tuple[str, str]] = {
+    "DeepSeekMTPModel": ("DeepseekV3ForCausalLM", _MTP),
+    "EagleDeepSeekMTPModel": ("DeepseekV3ForCausalLM", _EAGLE),
+    "Eagle3DeepseekV2ForCausalLM": ("DeepseekV2ForCausalLM", _EAGLE),
+    "Eagle3DeepseekV3ForCausalLM": ("DeepseekV3ForCausalLM", _EAGLE),
+    "Glm4MoeMTPModel": ("Glm4MoeForCausalLM", _MTP),
+    "ExaoneMoeMTP": ("ExaoneMoeForCausalLM", _MTP),
+    "HYV3MTPModel": ("HYV3ForCausalLM", _MTP),
+    "Gemma4MTPModel": ("Gemma4ForCausalLM", _MTP),
+    "Qwen3NextMTP": ("Qwen3NextForCausalLM", _MTP),
+    "EagleLlama4ForCausalLM": ("Llama4ForCausalLM", _EAGLE),
+    "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", _TEXT),
+    "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
+}

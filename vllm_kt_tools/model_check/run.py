@@ -1,0 +1,244 @@
+"""Check architectures and write the run's JSON.
+
+Per architecture: write its tiny model (``checkpoint``); plain vLLM answers in bf16 (and
+float32 where the recipe runs it); ``vllm serve --quantization kt-hybrid`` with half of
+every MoE layer's experts on the CPU answers in bf16 with the default CPU backend
+(kt-kernel BF16, or the backend the plugin picks for layers kt-kernel cannot compute), and
+in float32 with the torch backend. The verdict:
+
+- served: bf16 greedy tokens equal plain vLLM's by ``compare``'s rules with the chosen-token
+  logprob drift within TIE_GAP, and float32 tokens equal with drift within
+  FLOAT32_DRIFT_BOUND (where plain vLLM runs float32);
+- refused at config time: kt-hybrid's server stopped with its one-line config error;
+- cannot be checked here: plain vLLM itself fails on this machine's vLLM build (its error);
+- failed: anything else (a bug to fix).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from vllm_kt_tools.model_check import compare, engines
+from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
+from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES
+from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
+
+SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
+    "served",
+    "refused at config time",
+    "cannot be checked here",
+    "failed",
+    "no recipe",
+)
+MAX_TOKENS = 16
+LONG_PROMPT_TOKENS = 100
+BF16_DRIFT_BOUND = compare.TIE_GAP
+HALF_ON_CPU = {"KT_NUM_GPU_EXPERTS": str(NUM_EXPERTS // 2)}
+# The plugin's log lines the verdict reads (hybrid/moe_method.py).
+_CPU_SIDE = re.compile(r"kt-hybrid: each MoE layer keeps (.*?); GPU side: \S+, CPU side: (\S+) (\S+)")
+_CONFIG_ERROR = re.compile(r"(--quantization='kt-hybrid' is invalid \(.*)")
+
+
+def prompt_ids(model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    return ids + [tokenizer(training_text())["input_ids"][:LONG_PROMPT_TOKENS]]
+
+
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]: |\(\w+ pid=\d+\) )?(\w+(?:\.\w+)*(?:Error|Exception)\b.*)$")
+
+
+_FRAME = re.compile(r'File ".*?/site-packages/(\S+?)", line (\d+)')
+
+
+def last_error_line(log: str) -> str:
+    """Why an engine failed: the last exception line of its log (an assertion with no
+    message: with the assert statement before it)."""
+    # the API server's "Engine core initialization failed" only points at the engine's own error
+    lines = [line.strip() for line in log.splitlines() if line.strip() and "initialization failed" not in line]
+    lines = [re.sub(r"^\(\w+ pid=\d+\) ERROR \S+ \S+ \[\S+\] ", "", line) for line in lines]
+    missing = [line for line in lines if "ModuleNotFoundError: " in line]
+    if missing and "failed to be inspected" in log:  # vLLM inspects the model class in a subprocess
+        return f"importing the model class: {missing[-1].split('ModuleNotFoundError: ', 1)[1]}"[:600]
+    for index in range(len(lines) - 1, -1, -1):
+        match = _EXCEPTION.match(lines[index])
+        if match:
+            error = match.group(1)
+            context = [line.split(": ", 1)[-1].strip() for line in lines[max(0, index - 3) : index]]
+            statement = next((c for c in reversed(context) if c.startswith("assert ")), None)
+            if error == "AssertionError" and statement:
+                error += f" ({statement})"
+            if "ValidationError" in error and index + 1 < len(lines):
+                error += f": {lines[index + 1]}"  # pydantic puts the reason on the next line
+            frames = [m for line in lines[:index] if (m := _FRAME.search(line))]
+            where = f" ({frames[-1].group(1)}:{frames[-1].group(2)})" if frames else ""
+            return (error + where)[:600]
+    return (lines or ["(no log)"])[-1][:600]
+
+
+def _comparison(got: list, want: list, bound: float, exact: bool, log: str) -> dict[str, Any]:
+    problem = None
+    if exact and [g["ids"] for g in got] != [w["ids"] for w in want]:
+        problem = f"{compare.differing(got, want)} of {len(got)} completions differ (float32 must be exact)"
+    problem = problem or compare.greedy_mismatch(got, want)
+    drift = compare.logprob_drift(got, want)
+    if problem is None and drift > bound:
+        problem = f"chosen-token logprob drift {drift:.3g} above the bound {bound:g}"
+    placement = _CPU_SIDE.search(log)
+    return {
+        "backend": f"{placement.group(2)} {placement.group(3)}" if placement else None,
+        "placement": placement.group(1) if placement else None,
+        "first_tokens": [[g["ids"][0], w["ids"][0]] for g, w in zip(got, want, strict=True)],
+        "tokens_compared": sum(len(w["ids"]) for w in want),
+        "differing": compare.differing(got, want),
+        "drift": drift,
+        "bound": bound,
+        "problem": problem,
+    }
+
+
+def check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
+    """One architecture's verdict and what it rests on."""
+    start = time.monotonic()
+    result: dict[str, Any] = {"architecture": architecture}
+    try:
+        result.update(_check(architecture, models, logs))
+    except Exception:  # noqa: BLE001 - the harness itself failed on this architecture: say where
+        result.update(status=FAILED, reason=traceback.format_exc(limit=3).strip().splitlines()[-1][:600])
+    result["seconds"] = round(time.monotonic() - start, 1)
+    return result
+
+
+# Plain vLLM rejecting the tiny model itself (its config lacks a field vLLM reads, a weight
+# vLLM looks for is not in it, a size its kernels do not take): the recipe's fault, not
+# something this vLLM build cannot run.
+_TINY_MODEL_REJECTED = re.compile(
+    r"plain vLLM fails here: (AttributeError: '\w+Config' object has no attribute|KeyError: '|ValueError: The `"
+    r"|ValueError: Unsupported head_dim)"
+)
+
+
+def plain_failure_status(reason: str) -> str:
+    """CANNOT_CHECK where plain vLLM cannot run the architecture here; NO_RECIPE where it
+    rejected our tiny model (``_TINY_MODEL_REJECTED``): the row is then not checked yet."""
+    return NO_RECIPE if _TINY_MODEL_REJECTED.match(reason) else CANNOT_CHECK
+
+
+def import_failure(architecture: str) -> str | None:
+    """Why vLLM's registry cannot import this architecture's model class on this build
+    (e.g. a module that imports torchvision, or one with GPU-only implementations), or None."""
+    import importlib
+
+    from vllm_kt_tools.support.vllm_internals import registry_models
+
+    module, cls = registry_models()[architecture]
+    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    try:
+        getattr(importlib.import_module(name), cls)
+    except Exception as error:  # noqa: BLE001 - whatever stops the import is the reason
+        return f"{type(error).__name__}: {error}"[:400]
+    return None
+
+
+def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
+    """A kt-hybrid engine that did not answer: refused at config time (its one line), or failed."""
+    refusal = _CONFIG_ERROR.search(log)
+    if refusal is not None:
+        return {"status": REFUSED, "reason": refusal.group(1)[:600]}
+    return {"status": FAILED, "reason": f"kt-hybrid {dtype}: {last_error_line(log)}"}
+
+
+def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
+    recipe = RECIPES.get(architecture)
+    if recipe is None:
+        failure = import_failure(architecture)
+        if failure is not None:
+            return {"status": CANNOT_CHECK, "reason": f"vLLM's model class does not import here: {failure}"}
+        return {"status": NO_RECIPE, "reason": "no tiny model of it yet (model_check/recipes.py)"}
+    model = checkpoint_dir(architecture, models)
+    prompts = prompt_ids(model)
+    dtypes = ["bfloat16", "float32"] if recipe.float32 else ["bfloat16"]
+    out: dict[str, Any] = {"weights": weights_of(model), "float32": None if recipe.float32 else recipe.notes}
+    kt_float32 = {**HALF_ON_CPU, "KT_BACKEND": "torch"} if recipe.float32 else None
+    plain_log = logs / f"{architecture}-plain.log"
+    try:
+        plain = engines.in_process(model, prompts, MAX_TOKENS, dtypes, kt_float32, plain_log)
+    except engines.EngineFailed as failed:
+        reason = f"plain vLLM fails here: {last_error_line(failed.log)}"
+        return {**out, "status": plain_failure_status(reason), "reason": reason}
+    checks = {}
+    log = logs / f"{architecture}-kt-bfloat16.log"
+    try:
+        got = engines.served(model, prompts, MAX_TOKENS, "bfloat16", HALF_ON_CPU, plain["bfloat16"], log)
+    except engines.EngineFailed as failed:
+        return {**out, **_engine_failure("bfloat16", failed.log)}
+    checks["bfloat16"] = _comparison(got, plain["bfloat16"], BF16_DRIFT_BOUND, False, log.read_text(errors="replace"))
+    if recipe.float32:
+        if "kt_float32" not in plain:
+            return {**out, "checks": checks, **_engine_failure("float32", plain_log.read_text(errors="replace"))}
+        float32_log = plain_log.read_text(errors="replace")
+        checks["float32"] = _comparison(
+            plain["kt_float32"], plain["float32"], compare.FLOAT32_DRIFT_BOUND, True, float32_log
+        )
+    problems = [f"{dtype}: {c['problem']}" for dtype, c in checks.items() if c["problem"]]
+    status = FAILED if problems else SERVED
+    return {**out, "status": status, "reason": "; ".join(problems) or None, "checks": checks}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel
+
+    try:
+        variant = str(prepare_kt_kernel().__cpu_variant__)
+    except Exception as error:  # noqa: BLE001 - recorded, not fatal: the torch backend still runs
+        variant = f"unavailable ({error})"
+    return {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "kt_kernel_variant": variant,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": __import__("os").cpu_count(),
+    }
+
+
+def run(
+    architectures: Iterable[str],
+    out: Path,
+    models: Path,
+    logs: Path,
+    command: str,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Check each architecture in turn; the JSON is rewritten after every one (a long run
+    can be followed, and an interrupted one keeps what it did)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": command,
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "seconds": 0.0,
+        "architectures": {},
+    }
+    start = time.monotonic()
+    for architecture in architectures:
+        result = check(architecture, models, logs)
+        report["architectures"][architecture] = result
+        report["seconds"] = round(time.monotonic() - start, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        if progress is not None:
+            progress(result)
+    return report
