@@ -42,7 +42,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_cache import (
     layer_is_damaged,
     quantize_into_cache,
 )
-from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import check_expert_tensors, fp8_blocks
+from vllm_kt_plugin.cpu_backends.kt_kernel.weight_files import TensorInfo, check_expert_tensors, fp8_blocks, read_index
 from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
     Checkpoint,
     check_default,
@@ -171,11 +171,20 @@ def _takes_loaded_bf16(method: str, weight_path: str | None) -> bool:
     return method == "BF16" and weight_path is None
 
 
+@functools.cache
+def _checkpoint_index(directory: str) -> dict[str, TensorInfo]:
+    """The checkpoint's tensor index, read once per process: every layer asks of it."""
+    return read_index(directory, is_model_dir=True)
+
+
 def _kt_kernel_reads_layer(directory: str, layer: int, num_experts: int, hidden: int, intermediate: int) -> bool:
     """Whether kt-kernel's BF16 loader finds this layer's experts in the checkpoint, named
     and shaped as it reads them."""
     try:
-        check_expert_tensors("BF16", directory, [layer], num_experts, hidden, intermediate, is_model_dir=True)
+        index = _checkpoint_index(directory)
+        check_expert_tensors(
+            "BF16", directory, [layer], num_experts, hidden, intermediate, is_model_dir=True, index=index
+        )
     except KTConfigError:
         return False
     return True

@@ -17,7 +17,7 @@ pack-quantized) and GPTQ_INT4; for the others the files are checked to open.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,11 +197,14 @@ def check_expert_tensors(
     intermediate_size: int,
     *,
     is_model_dir: bool = False,
+    index: Mapping[str, TensorInfo] | None = None,
 ) -> None:
     """Every routed expert of every MoE layer present in ``method``'s tensors, of the
-    model's shapes: gate and up [intermediate, hidden], down [hidden, intermediate]."""
+    model's shapes: gate and up [intermediate, hidden], down [hidden, intermediate].
+    ``index``: the directory's ``read_index``, where the caller has it already."""
     expected = METHOD_TENSORS[method]
-    index = read_index(directory, is_model_dir=is_model_dir)
+    if index is None:
+        index = read_index(directory, is_model_dir=is_model_dir)
     h, i, e = hidden_size, intermediate_size, num_experts
     for layer in layers:
         packed = _packed_experts(layer, index) if method == "BF16" else None
