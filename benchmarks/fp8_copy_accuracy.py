@@ -1,6 +1,6 @@
 """The FP8 host copy's drift beside the CPU methods' drift, measured the same way, on whatever
 vLLM build runs here (the CUDA one, or the CPU one on an AMX CPU, whose block-FP8 MoE kernel
-needs AMX): the numbers behind KT_GPU_PREFILL_FP8_COPY=auto (settings/staging.py) and
+needs AMX): the numbers behind KT_STAGING_FP8_COPY=auto (hybrid/staging/plan.py) and
 tests/engine/test_gpu.py's test_fp8_copy_drift_within_the_cpu_methods_drift, which checks them
 on a GPU.
 
@@ -37,11 +37,11 @@ def measure(arch: str, root: Path) -> dict:
     experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
     base = {"KT_NUM_GPU_EXPERTS": str(experts // 2)}
     started = time.time()
-    prefill = {**base, "KT_METHOD": "BF16", "KT_GPU_PREFILL_MIN_TOKENS": "16"}
-    exact = generate(model, prompts, kt={**prefill, "KT_GPU_PREFILL_FP8_COPY": "0"})
-    fp8 = generate(model, prompts, kt={**prefill, "KT_GPU_PREFILL_FP8_COPY": "1"}, reference=exact)
+    prefill = {**base, "KT_METHOD": "BF16", "KT_STAGING_MIN_TOKENS": "16"}
+    exact = generate(model, prompts, kt={**prefill, "KT_STAGING_FP8_COPY": "0"})
+    fp8 = generate(model, prompts, kt={**prefill, "KT_STAGING_FP8_COPY": "1"}, reference=exact)
     result = {"arch": arch, "wide": arch in WIDE, "fp8_copy": (differing(fp8, exact), logprob_drift(fp8, exact))}
-    cpu = {**base, "KT_GPU_PREFILL_MIN_TOKENS": "0"}
+    cpu = {**base, "KT_STAGING_MIN_TOKENS": "0"}
     bf16 = generate(model, prompts, kt={**cpu, "KT_METHOD": "BF16"})
     for method in ("AMXINT8", "AMXINT4"):
         got = generate(model, prompts, kt={**cpu, "KT_METHOD": method}, reference=bf16)

@@ -164,7 +164,7 @@ run_layer_dynamic() {  # one layer of BF16 experts from files (kt-kernel writes 
 # a few layers decode fast: 128 new tokens per run keep stalls small against them
 DYNAMIC=("${BENCH[@]}" --checkpoint bf16-experts --layers "${DYNAMIC_LAYERS:-8}" --systems kt-hybrid --skip-layer
          --decode-tokens "${DYNAMIC_DECODE_TOKENS:-128}"
-         --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_GPU_PREFILL_MIN_TOKENS=0
+         --kt-env KT_NUM_GPU_EXPERTS="${DYNAMIC_GPU_EXPERTS:-33}" --kt-env KT_STAGING_MIN_TOKENS=0
          --out "$BENCH_OUT/${DYNAMIC_JSON:-h200_dynamic_qwen3_30b_a3b.json}")
 
 run_prepare_dynamic() {

@@ -1,6 +1,6 @@
 """The decode timeline's device ring on a real GPU, with torch and Triton alone (no vLLM):
 its stamps captured into a CUDA graph, each replay writing its own step, in order. The same
-check as tests/unit/test_decode_timeline.py's GPU test, for a host without pytest or vLLM.
+check as tests/unit/hybrid/test_decode_timeline.py's GPU test, for a host without pytest or vLLM.
 
     python benchmarks/checks/device_ring.py
 """

@@ -78,9 +78,9 @@ leftovers kt-hybrid
 # sitting: where kt-hybrid's server failed, it runs again with the exact copy (its env says so).
 if python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['server_engine']['runs']; sys.exit(not any('error' in x for x in r))" \
     "$BENCH_OUT/$SERVER_JSON" 2> /dev/null; then
-  stage "2b kt-hybrid failed: again with KT_GPU_PREFILL_FP8_COPY=0"
+  stage "2b kt-hybrid failed: again with KT_STAGING_FP8_COPY=0"
   KERNEL_SWEEP=0 STAGES=server-engine SERVER_ENGINE_SYSTEMS=kt-hybrid SERVER_LOAD=${H2H_LOAD:-1000:64} \
-    SERVER_ENGINE_ARGS="--append --max-num-batched-tokens 16384 --kt-env KT_GPU_PREFILL_FP8_COPY=0" \
+    SERVER_ENGINE_ARGS="--append --max-num-batched-tokens 16384 --kt-env KT_STAGING_FP8_COPY=0" \
     SERVER_ENGINE_JSON=$SERVER_JSON bash benchmarks/run_h200.sh
   leftovers kt-hybrid-exact-copy
 fi

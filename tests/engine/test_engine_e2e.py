@@ -10,10 +10,10 @@ from kt_testing.engines import (
     DEFERRAL_DRIFT_BOUND,
     DEFERRAL_RAN,
     DEFERRAL_SPLIT_DRIFT_BOUND,
-    PREFILL_RAN,
     PROMPTS,
     SPLIT_RAN,
     TIE_GAP,
+    WHOLE_LAYER_RAN,
     assert_same_greedy_tokens,
     assert_split_ran,
     differing,
@@ -33,15 +33,15 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 24
 NUM_EXPERTS = 8  # per layer in the tiny models
 PLACEMENTS = {"half on CPU": "4", "all on CPU": "0", "one GPU expert": "1"}
-# GPU prefill forced low on the CPU build, in the "half on CPU" runs: the first forward
+# Staging (the whole layer) forced low on the CPU build, in the "half on CPU" runs: the first forward
 # (the five short prompts, 30 tokens, and the long prompt's first chunk) takes it; decode
 # steps (6 tokens) do not; the 180-token prompt arrives in chunks of the 64-token budget.
-GPU_PREFILL = {"KT_GPU_PREFILL_MIN_TOKENS": "16"}
+GPU_PREFILL = {"KT_STAGING_MIN_TOKENS": "16"}
 DEFERRAL = {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}
 # The split forced in the "one GPU expert" runs: forwards of >= 16 tokens stage half of their
 # picked CPU experts (most-picked first) on the "GPU" (vLLM's CPU kernel from the staging
 # buffer) while kt-kernel computes the rest (docs/split.md).
-SPLIT = {"KT_GPU_PREFILL_MIN_TOKENS": "16", "KT_GPU_PREFILL_SPLIT": "0.5"}
+SPLIT = {"KT_STAGING_MIN_TOKENS": "16", "KT_STAGING_SPLIT": "0.5"}
 ENGINE = {"max_num_batched_tokens": 64}
 _plain_cache: dict[str, list] = {}
 
@@ -90,7 +90,7 @@ def token_ids(results: list) -> list[list[int]]:
 # Which placements each architecture runs with. What differs between architectures is vLLM's
 # side (router, shared experts, weight names), which one placement exercises; what differs
 # between placements is the path a forward takes. So every architecture runs half on the
-# CPU (the most paths: GPU experts, CPU experts, GPU prefill), Qwen3-MoE every placement,
+# CPU (the most paths: GPU experts, CPU experts, staging), Qwen3-MoE every placement,
 # DeepSeek-V3 also with all on the CPU (its shared expert beside no GPU experts at all).
 # The split (one GPU expert) also runs on Mixtral (softmax routing, no shared expert) and
 # DeepSeek-V3 (grouped sigmoid routing with a correction bias, a shared expert added
@@ -113,7 +113,7 @@ _bf16_cache: dict[tuple[str, str], list] = {}
 
 
 def kt_kernel_bf16(model: Path, placement: str) -> tuple[list, str]:
-    """kt-kernel BF16 CPU experts at ``placement`` (GPU prefill forced on half on CPU, the
+    """kt-kernel BF16 CPU experts at ``placement`` (staging forced on half on CPU, the
     split with one GPU expert); kept for the deferral test, which compares with the
     all-on-CPU run. All on CPU names the model's own folder as KT_WEIGHT_PATH (what kt-kernel
     reads when it is unset: support/weight_matrix.py counts on these runs for that case)."""
@@ -137,9 +137,9 @@ def test_kt_kernel_bf16_tokens_equal_plain_vllm(tiny_model, arch: str, placement
     print(f"{arch} {placement}: {differing(got, expected)} of {len(got)} completions differ, drift {drift:.5f}")
     assert_same_greedy_tokens(got, expected)
     prefill = placement == "half on CPU"
-    assert (PREFILL_RAN in log) == prefill  # on only where forced: the CPU build's default is off
+    assert (WHOLE_LAYER_RAN in log) == prefill  # on only where forced: the CPU build's default is off
     if placement == "one GPU expert":
-        assert_split_ran(log, int(SPLIT["KT_GPU_PREFILL_MIN_TOKENS"]))
+        assert_split_ran(log, int(SPLIT["KT_STAGING_MIN_TOKENS"]))
     else:
         assert SPLIT_RAN not in log  # on only where forced
 
@@ -275,7 +275,7 @@ def test_expert_deferral_with_split(tiny_model) -> None:
     kt = {**KT_KERNEL_BF16, "KT_NUM_GPU_EXPERTS": "4", **DEFERRAL, **SPLIT}
     got, log = hybrid_logged(model, kt)
     assert DEFERRAL_RAN in log
-    assert_split_ran(log, int(SPLIT["KT_GPU_PREFILL_MIN_TOKENS"]))
+    assert_split_ran(log, int(SPLIT["KT_STAGING_MIN_TOKENS"]))
     expected = confident(plain(model))
     print(f"deferral with the split: drift {logprob_drift(confident(got), expected):.4f} against plain vLLM")
     assert token_ids(confident(got)) == token_ids(expected)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from kt_testing.engines import (
     DEFERRAL_RAN,
-    PREFILL_RAN,
     PROMPTS,
+    WHOLE_LAYER_RAN,
     assert_same_greedy_tokens,
     assert_split_ran,
     differing,
@@ -150,7 +150,7 @@ def test_online_amx_weights_inside_cuda_graphs(qwen3, tmp_path, plain_graphs: li
 
 @pytest.mark.parametrize(("method", "source"), [("BF16", "no host copy"), ("AMXINT8", "copy takes")])
 def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: str) -> None:
-    """KT_GPU_PREFILL_MIN_TOKENS=32, graphs captured up to 16 tokens: the first forward (30
+    """KT_STAGING_MIN_TOKENS=32, graphs captured up to 16 tokens: the first forward (30
     short-prompt tokens plus the long prompt's start) and the 180-token prompt compute the
     CPU experts on the GPU from the streamed weights — written by kt-kernel (BF16) or from
     the pinned host copy (AMXINT8) — decode replays graphs on the CPU path; the tokens
@@ -160,10 +160,10 @@ def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: 
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
     kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": method, "KT_CACHE_DIR": str(tmp_path)}
-    off = generate(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
-    on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32"}, llm=llm, reference=off)
+    off = generate(qwen3, prompts, kt={**kt, "KT_STAGING_MIN_TOKENS": "0"}, llm=llm)
+    on, log = generate_logged(qwen3, prompts, kt={**kt, "KT_STAGING_MIN_TOKENS": "32"}, llm=llm, reference=off)
     print(f"GPU prefill {method}: drift {logprob_drift(on, off):.5f} against GPU prefill off")
-    assert PREFILL_RAN in log and source in log
+    assert WHOLE_LAYER_RAN in log and source in log
     assert_same_greedy_tokens(on, off)
 
 
@@ -172,7 +172,7 @@ def test_gpu_prefill_matches_the_cpu_path(qwen3, tmp_path, method: str, source: 
 
 @pytest.mark.parametrize(("method", "source"), [("BF16", "no host copy"), ("AMXINT8", "copy takes")])
 def test_split_matches_the_cpu_path(qwen3, tmp_path, method: str, source: str) -> None:
-    """KT_GPU_PREFILL_SPLIT=0.5 from 32 tokens, graphs up to 16 tokens: the prefill forwards
+    """KT_STAGING_SPLIT=0.5 from 32 tokens, graphs up to 16 tokens: the prefill forwards
     stage half their picked CPU experts on the GPU — written by kt-kernel on demand (BF16) or
     copied from the pinned host copy (AMXINT8), the next layer's predicted part prefetched —
     while kt-kernel computes the rest (their ids -1); the tokens equal those with GPU prefill
@@ -180,8 +180,8 @@ def test_split_matches_the_cpu_path(qwen3, tmp_path, method: str, source: str) -
     prompts = PROMPTS + [long_prompt(qwen3, 180)]
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
     kt = {"KT_NUM_GPU_EXPERTS": "2", "KT_METHOD": method, "KT_CACHE_DIR": str(tmp_path)}
-    off = generate(qwen3, prompts, kt={**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}, llm=llm)
-    forced = {**kt, "KT_GPU_PREFILL_MIN_TOKENS": "32", "KT_GPU_PREFILL_SPLIT": "0.5"}
+    off = generate(qwen3, prompts, kt={**kt, "KT_STAGING_MIN_TOKENS": "0"}, llm=llm)
+    forced = {**kt, "KT_STAGING_MIN_TOKENS": "32", "KT_STAGING_SPLIT": "0.5"}
     split, log = generate_logged(qwen3, prompts, kt=forced, llm=llm, reference=off)
     print(f"split {method}: drift {logprob_drift(split, off):.5f} against GPU prefill off")
     assert source in log, log[-3000:]
@@ -190,7 +190,7 @@ def test_split_matches_the_cpu_path(qwen3, tmp_path, method: str, source: str) -
 
 
 def test_auto_split_probes_and_keeps_the_tokens(qwen3, plain_graphs: list) -> None:
-    """KT_GPU_PREFILL_MIN_TOKENS=auto (the default) under CUDA: the first forward above the
+    """KT_STAGING_MIN_TOKENS=auto (the default) under CUDA: the first forward above the
     captured batches probes the cost model's constants (logged), every such forward is planned
     by it, and the tokens stay plain vLLM's (BF16 CPU experts)."""
     llm = {"compilation_config": {"max_cudagraph_capture_size": 16}}
@@ -199,14 +199,14 @@ def test_auto_split_probes_and_keeps_the_tokens(qwen3, plain_graphs: list) -> No
     assert_same_greedy_tokens(got, plain_graphs)
 
 
-# KT_GPU_PREFILL_FP8_COPY against the exact copy, and the CPU methods against exact CPU experts,
+# KT_STAGING_FP8_COPY against the exact copy, and the CPU methods against exact CPU experts,
 # measured the same way (issue 38): half of each layer's experts on the CPU, greedy completions of
 # the five prompts and a 180-token one, chosen-token logprob drift (teacher-forced past a
 # difference) and completions that differ, against the run with BF16 CPU experts:
 #   FP8 copy:  KT_METHOD=BF16, GPU prefill from 16 tokens, the block-FP8 host copy against
 #              kt-kernel's own BF16 experts written back (exact);
 #   AMXINT8/4: GPU prefill off, kt-kernel's AMX experts against its BF16 ones.
-# The auto rule (settings/staging.py, FP8_COPY_AUTO_METHODS) turns the copy on for a method only
+# The auto rule (hybrid/staging/plan.py, FP8_COPY_AUTO_METHODS) turns the copy on for a method only
 # where the copy's drift is at most the method's own (its CPU-build measurement is there).
 # FP8_COPY_BOUNDS: PROVISIONAL until this runs on a GPU; the sitting prints the GPU's values and
 # the bounds become those plus a stated margin.
@@ -221,7 +221,7 @@ def test_fp8_copy_drift_within_the_cpu_methods_drift(tiny_model, tmp_path, arch:
     the copy on for."""
     import json
 
-    from vllm_kt_plugin.settings.staging import FP8_COPY_AUTO_METHODS
+    from vllm_kt_plugin.hybrid.staging.plan import FP8_COPY_AUTO_METHODS
 
     model = tiny_model(arch, quantizable=wide)
     experts = json.loads((model / "config.json").read_text())
@@ -229,14 +229,12 @@ def test_fp8_copy_drift_within_the_cpu_methods_drift(tiny_model, tmp_path, arch:
     prompts = PROMPTS + [long_prompt(model, 180)]
     llm = {"enforce_eager": True}  # the start is the cost here; graphs are tested above
     kt = {"KT_NUM_GPU_EXPERTS": half, "KT_CACHE_DIR": str(tmp_path)}
-    prefill = {**kt, "KT_METHOD": "BF16", "KT_GPU_PREFILL_MIN_TOKENS": "16"}
-    exact, exact_log = generate_logged(model, prompts, kt={**prefill, "KT_GPU_PREFILL_FP8_COPY": "0"}, llm=llm)
-    fp8, fp8_log = generate_logged(
-        model, prompts, kt={**prefill, "KT_GPU_PREFILL_FP8_COPY": "1"}, llm=llm, reference=exact
-    )
-    assert PREFILL_RAN in fp8_log and "block-FP8 copy takes" in fp8_log and "block-FP8" not in exact_log
+    prefill = {**kt, "KT_METHOD": "BF16", "KT_STAGING_MIN_TOKENS": "16"}
+    exact, exact_log = generate_logged(model, prompts, kt={**prefill, "KT_STAGING_FP8_COPY": "0"}, llm=llm)
+    fp8, fp8_log = generate_logged(model, prompts, kt={**prefill, "KT_STAGING_FP8_COPY": "1"}, llm=llm, reference=exact)
+    assert WHOLE_LAYER_RAN in fp8_log and "block-FP8 copy takes" in fp8_log and "block-FP8" not in exact_log
     drifts = {"fp8_copy": (differing(fp8, exact), logprob_drift(fp8, exact))}
-    cpu = {**kt, "KT_GPU_PREFILL_MIN_TOKENS": "0"}
+    cpu = {**kt, "KT_STAGING_MIN_TOKENS": "0"}
     bf16 = generate(model, prompts, kt={**cpu, "KT_METHOD": "BF16"}, llm=llm)
     for method in ("AMXINT8", "AMXINT4"):
         got = generate(model, prompts, kt={**cpu, "KT_METHOD": method}, llm=llm, reference=bf16)

@@ -7,21 +7,21 @@ from __future__ import annotations
 import re
 
 import pytest
-from kt_testing.engines import PREFILL_RAN, PROMPTS, assert_same_greedy_tokens, generate_logged, long_prompt
+from kt_testing.engines import PROMPTS, WHOLE_LAYER_RAN, assert_same_greedy_tokens, generate_logged, long_prompt
 
 pytestmark = pytest.mark.engine
 
 TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "max_num_batched_tokens": 64}
 # vLLM's CPU workers each bind their OpenMP threads; on a 2-core machine one core each.
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-# GPU prefill forced low so that the TP-sliced host copies run too (each rank computes
+# Staging forced low so that the TP-sliced host copies run too (each rank computes
 # its slice of every CPU expert there; the all-reduce adds them), and a metrics line
 # after every CPU-expert forward, to see which rank computed it.
 KT = {
     "KT_BACKEND": "kt_kernel",
     "KT_METHOD": "BF16",
     "KT_NUM_GPU_EXPERTS": "4",
-    "KT_GPU_PREFILL_MIN_TOKENS": "16",
+    "KT_STAGING_MIN_TOKENS": "16",
     "KT_METRICS_INTERVAL": "0.000001",
 }
 MAX_TOKENS = 12
@@ -51,4 +51,4 @@ def test_tensor_parallel_matches_plain_and_computes_cpu_experts_once(tiny_model,
     assert ranks_logging(log, "tensor-parallel rank 1 of 2 leaves the CPU experts to rank 0") == [1]
     # Each CPU-expert forward logs one metrics line in the process that computed it.
     assert ranks_logging(log, "kt-hybrid metrics:") == [0], log[-4000:]
-    assert ranks_logging(log, PREFILL_RAN) != []
+    assert ranks_logging(log, WHOLE_LAYER_RAN) != []

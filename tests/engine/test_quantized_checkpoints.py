@@ -180,7 +180,7 @@ def test_sizing_counts_the_checkpoints_bytes(quantized_model, arch: str, fmt: st
     widths) is not counted."""
     model = quantized_model(arch, fmt)
     memory = estimate_model_memory(_config(model))
-    assert memory.block_fp8 == (fmt == "fp8-block")  # GPU prefill stages these (KT_METHOD=FP8)
+    assert memory.block_fp8 == (fmt == "fp8-block")  # staging takes these (KT_METHOD=FP8)
     tensors = load_file(model / "model.safetensors")
     layer = memory.moe_layers[0]
     stored = _expert_file_bytes(tensors, layer, 0)
@@ -234,7 +234,7 @@ def test_benchmark_experts_are_what_kt_kernel_reads(tmp_path: Path, method: str)
 def test_kt_kernel_writes_block_fp8_experts_in_the_gpu_layout(
     vllm_layer_context, quantized_model, tmp_path: Path
 ) -> None:
-    """GPU prefill on a block-FP8 checkpoint keeps no host copy: kt-kernel's FP8 experts
+    """Staging on a block-FP8 checkpoint keeps no host copy: kt-kernel's FP8 experts
     written back (``write_gpu_layout``) are the checkpoint's own bytes — w13 = gate then up,
     with their 128 x 128 block scales — the layout vLLM's Triton FP8 kernel runs."""
     from safetensors.torch import save_file

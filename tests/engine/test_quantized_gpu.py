@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kt_testing.engines import (
-    PREFILL_RAN,
     PROMPTS,
     SPLIT_RAN,
+    WHOLE_LAYER_RAN,
     assert_split_ran,
     differing,
     generate,
@@ -70,24 +70,24 @@ _plain: dict[str, list] = {}
 @pytest.mark.parametrize("split", [False, True], ids=["whole-layer", "split"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_block_fp8_gpu_prefill_against_plain_vllm(quantized_model, arch: str, split: bool) -> None:
-    """KT_GPU_PREFILL_MIN_TOKENS=32 on a block-FP8 checkpoint, half the experts on the CPU:
+    """KT_STAGING_MIN_TOKENS=32 on a block-FP8 checkpoint, half the experts on the CPU:
     forwards of 32 to 64 tokens (every prefill chunk here) compute the CPU experts on the
     GPU with vLLM's Triton FP8 kernel, from kt-kernel's FP8 experts written back into pinned
-    buffers (no host copy); decode stays on kt-kernel. With KT_GPU_PREFILL_SPLIT=0.5 half of
+    buffers (no host copy); decode stays on kt-kernel. With KT_STAGING_SPLIT=0.5 half of
     each forward's picked CPU experts are written and staged, kt-kernel computes the others
     (docs/split.md). Greedy tokens against plain vLLM within the FP8 bound."""
     model = quantized_model(arch, "fp8-block")
     prompts = PROMPTS + [long_prompt(model, 180)]
     if str(model) not in _plain:
         _plain[str(model)] = generate(model, prompts, kt=None, llm=LLM, VLLM_PLUGINS="")
-    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_GPU_PREFILL_MIN_TOKENS": "32"}
-    split_kt = {"KT_GPU_PREFILL_SPLIT": "0.5"} if split else {}
+    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_STAGING_MIN_TOKENS": "32"}
+    split_kt = {"KT_STAGING_SPLIT": "0.5"} if split else {}
     got, log = generate_logged(model, prompts, kt={**kt, **split_kt}, llm=LLM, reference=_plain[str(model)])
     assert "FP8 CPU experts written by kt_kernel (no host copy)" in log
     if split:
         assert_split_ran(log, 32)  # 0 < staged < picked: a real split, not one of the pure paths
     else:
-        assert PREFILL_RAN in log and SPLIT_RAN not in log
+        assert WHOLE_LAYER_RAN in log and SPLIT_RAN not in log
     assert_within_bounds(arch, "fp8-block", "split" if split else "GPU prefill", got, _plain[str(model)])
 
 

@@ -115,7 +115,8 @@ def test_metrics_log_line_and_prometheus(tiny_model, tmp_path: Path) -> None:
 
     from openai import OpenAI
 
-    from vllm_kt_plugin.hybrid.metrics import CPU_PATH, LARGE_FORWARD_TOKENS
+    from vllm_kt_plugin.hybrid.metrics import LARGE_FORWARD_TOKENS
+    from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH
     from vllm_kt_tools.bench.report import large_forwards
 
     long_tokens = LARGE_FORWARD_TOKENS + 44
@@ -152,16 +153,16 @@ def test_kt_hybrid_scheduler_gathers_prompts_sent_together(tiny_model, plain_ser
     as soon as it arrives (more than one forward: so this can fail); greedy tokens are plain
     vLLM's either way. vLLM's steps: the large-forward log lines (KT_METRICS_INTERVAL), queued
     after the burst began (the monotonic clock is the host's)."""
-    from vllm_kt_plugin.hybrid.metrics import GPU_PREFILL_PATH
     from vllm_kt_plugin.hybrid.scheduler import GATHERED
+    from vllm_kt_plugin.hybrid.staging.plan import WHOLE_LAYER_PATH
     from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER
     from vllm_kt_tools.bench.report import LARGE_FORWARD_LINE
 
     model = tiny_model("qwen3_moe")
     prompts = burst_prompts()
     # 3 s: the 8 arrivals span 0.7 s, and this box is shared (a lone prompt waits the whole window)
-    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_GPU_PREFILL_MIN_TOKENS": "16", "KT_METRICS_INTERVAL": "3600"}
-    env = clean_env(**kt, KT_GPU_PREFILL_GATHER_MS="3000")
+    kt = {"KT_NUM_GPU_EXPERTS": "4", "KT_STAGING_MIN_TOKENS": "16", "KT_METRICS_INTERVAL": "3600"}
+    env = clean_env(**kt, KT_STAGING_GATHER_MS="3000")
     forwards = {}
     for name, scheduler in (("vllm", []), ("kt-hybrid", ["--scheduler-cls", GATHERING_SCHEDULER])):
         log = tmp_path / f"{name}-scheduler.log"
@@ -175,7 +176,7 @@ def test_kt_hybrid_scheduler_gathers_prompts_sent_together(tiny_model, plain_ser
         tokens = sum(a["prompt_tokens"] for a in answers)
         assert all(a["prompt_tokens"] >= 16 for a in answers)
         if scheduler:
-            assert forwards[name] == [(tokens, GPU_PREFILL_PATH)], forwards
+            assert forwards[name] == [(tokens, WHOLE_LAYER_PATH)], forwards
             assert f"{GATHERED} 8 prompts ({tokens} tokens) into one step" in text, text[-3000:]
         else:
             assert len(forwards[name]) > 1 and GATHERED not in text, forwards

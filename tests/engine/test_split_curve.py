@@ -22,7 +22,7 @@ def test_split_curve_runs_on_the_cpu_build(tmp_path: Path) -> None:
     env = {
         "KT_METHOD": "AMXINT8",
         "KT_NUM_GPU_EXPERTS": "2",
-        "KT_GPU_PREFILL_MIN_TOKENS": "1",
+        "KT_STAGING_MIN_TOKENS": "1",
         "KT_CHUNKED_PREFILL_SIZE": "2048",
         "KT_CACHE_DIR": str(tmp_path / "cache"),
         "KT_CPUINFER": "1",

@@ -48,9 +48,9 @@ DEFERRAL_SPLIT_DRIFT_BOUND = 0.8
 
 # Lines the runtime logs when a feature ran (a test of the feature must see its line, or it
 # would pass with the feature silently off).
-PREFILL_RAN = "kt-hybrid: GPU prefill ran"  # hybrid/gpu_prefill_path.py, once per process
+WHOLE_LAYER_RAN = "kt-hybrid: whole-layer stream ran"  # hybrid/staging/layer.py, once per process
 DEFERRAL_RAN = "kt-hybrid: expert deferral ran"  # cpu_backends/kt_kernel/compat.py, once per process
-SPLIT_RAN = "kt-hybrid: split ran"  # hybrid/split_path.py, the first layer's first split forward
+SPLIT_RAN = "kt-hybrid: split ran"  # hybrid/staging/layer.py, the first layer's first split forward
 _SPLIT_STAGED = re.compile(r"kt-hybrid: split ran: \S+ staged (\d+) of the (\d+) CPU experts a forward of (\d+) tokens")
 
 

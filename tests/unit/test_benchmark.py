@@ -128,14 +128,14 @@ def test_decode_summary_without_a_valid_pair() -> None:
 
 
 def test_prefill_off_check_and_kt_env() -> None:
-    """--prefill-off-check repeats the first method with GPU prefill off, as a run of its
+    """--prefill-off-check repeats the first method with staging off, as a run of its
     own name; --kt-env reaches every kt-hybrid run and is recorded in its env."""
     sizes = model_sizes(SHAPES["qwen3-30b-a3b"])
     argv = ["--systems", "kt-hybrid", "--methods", "AMXINT4", "--prefill-off-check"]
-    runs = plan_runs(args(*argv, "--kt-env", "KT_GPU_PREFILL_MIN_TOKENS=4096"), "/m", "dummy", sizes)
+    runs = plan_runs(args(*argv, "--kt-env", "KT_STAGING_MIN_TOKENS=4096"), "/m", "dummy", sizes)
     assert [r.name for r in runs] == ["kt-hybrid-amxint4", "kt-hybrid-amxint4-prefill-off"]
-    assert runs[0].env["KT_GPU_PREFILL_MIN_TOKENS"] == "4096"
-    assert runs[1].env["KT_GPU_PREFILL_MIN_TOKENS"] == "0"
+    assert runs[0].env["KT_STAGING_MIN_TOKENS"] == "4096"
+    assert runs[1].env["KT_STAGING_MIN_TOKENS"] == "0"
     assert runs[0].max_model_len > 16384  # room for the 16,384-token prompt of prefill_long_tok_s
 
 
@@ -179,7 +179,7 @@ def test_gather_check_runs_the_first_method_behind_kt_hybrids_scheduler() -> Non
     assert serve_args(runs[2], 512)[-4:] == ["--scheduler-cls", GATHERING_SCHEDULER, "--quantization", "kt-hybrid"]
     assert engine_kwargs(runs[2].engine_args) == {"scheduler_cls": GATHERING_SCHEDULER}
     runs = plan_runs(args(*argv, "--gather-check", "15,60"), "/m", "dummy", sizes)
-    assert [(r.variant, r.env.get("KT_GPU_PREFILL_GATHER_MS")) for r in runs[2:]] == [
+    assert [(r.variant, r.env.get("KT_STAGING_GATHER_MS")) for r in runs[2:]] == [
         ("gather-15ms", "15"),
         ("gather-60ms", "60"),
     ]

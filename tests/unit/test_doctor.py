@@ -22,6 +22,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.diagnostics import (
     fastest_here,
 )
 from vllm_kt_plugin.cpu_backends.kt_kernel.method_speeds import MethodSpeed
+from vllm_kt_plugin.hybrid.staging.plan import host_copy_bytes
 from vllm_kt_plugin.settings.catalogue import GIB, KT_METHODS
 from vllm_kt_plugin.settings.model_memory import estimate_model_memory
 from vllm_kt_tools.cli.doctor import (
@@ -190,8 +191,7 @@ def test_all_cores_warns_of_oversubscription() -> None:
     default = check_threads(110, 112, vllm_cores="free", by_default=True)
     assert "(the default: usable cores - 2)" in default.reason and "KT_VLLM_CORES=free" in default.reason
     assert (
-        "the default" not in check_threads(110, 112).reason
-        and "KT_VLLM_CORES=shared" in check_threads(110, 112).reason
+        "the default" not in check_threads(110, 112).reason and "KT_VLLM_CORES=shared" in check_threads(110, 112).reason
     )
 
 
@@ -284,23 +284,56 @@ def test_ram_against_the_cpu_experts() -> None:
     assert check_ram("BF16", None, need).level == WARN
 
 
-def test_ram_counts_the_gpu_prefill_copy() -> None:
-    """With GPU prefill on, the CPU experts' BF16 copy (95 of 128 experts here) adds to
+def test_ram_counts_the_staging_copy() -> None:
+    """With staging forced on, the CPU experts' BF16 copy (95 of 128 experts here) adds to
     kt-kernel's AMXINT4 experts: a quarter of BF16 fits where int4 plus the copy does not."""
     bf16 = estimate_model_memory(QWEN3_30B).cpu_expert_bytes("BF16")
     assert bf16 is not None
     room = bf16 // 2
     assert check_ram("AMXINT4", QWEN3_30B, room).level == OK
-    with_copy = check_ram("AMXINT4", QWEN3_30B, room, gpu_prefill_gpu_experts=33)
-    assert with_copy.level == ERROR and "pinned for GPU prefill" in with_copy.reason, with_copy
-    assert check_ram("AMXINT4", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33).level == OK
+    with_copy = check_ram("AMXINT4", QWEN3_30B, room, staged_gpu_experts=33)
+    assert with_copy.level == ERROR and "pinned for staging" in with_copy.reason, with_copy
+    assert check_ram("AMXINT4", QWEN3_30B, 2 * bf16, staged_gpu_experts=33).level == OK
     # kt-kernel writes BF16 experts out itself: only two host buffers of one layer's
     # CPU experts (95 of 128) count, not a copy of every layer.
     memory = estimate_model_memory(QWEN3_30B)
     buffers = 2 * 95 * memory.expert_bytes
-    assert memory.gpu_prefill_host_bytes(33, "BF16") == buffers
-    assert check_ram("BF16", QWEN3_30B, bf16 + buffers - 1, gpu_prefill_gpu_experts=33).level == ERROR
-    assert check_ram("BF16", QWEN3_30B, 2 * bf16, gpu_prefill_gpu_experts=33).level == OK
+    assert host_copy_bytes(memory, 33, "BF16") == buffers
+    assert check_ram("BF16", QWEN3_30B, bf16 + buffers - 1, staged_gpu_experts=33).level == ERROR
+    assert check_ram("BF16", QWEN3_30B, 2 * bf16, staged_gpu_experts=33).level == OK
+
+
+def test_ram_counts_the_fp8_copy() -> None:
+    """The block-FP8 copy (a byte a weight plus block scales) instead of the BF16 one."""
+    memory = estimate_model_memory(QWEN3_30B)
+    int4 = memory.cpu_expert_bytes("AMXINT4")
+    assert int4 is not None
+    fp8 = host_copy_bytes(memory, 33, "AMXINT4", fp8_copy=True)
+    bf16 = host_copy_bytes(memory, 33, "AMXINT4")
+    room = int4 + (fp8 + bf16) // 2  # fits the FP8 copy, not the BF16 one
+    assert check_ram("AMXINT4", QWEN3_30B, room, staged_gpu_experts=33).level == ERROR
+    with_fp8 = check_ram("AMXINT4", QWEN3_30B, room, staged_gpu_experts=33, fp8_copy=True)
+    assert with_fp8.level != ERROR and "block-FP8 copy" in with_fp8.reason, with_fp8
+    assert check_ram("AMXINT4", QWEN3_30B, 10 * room, staged_gpu_experts=33, fp8_copy=True).level == OK
+
+
+def test_ram_reads_the_staging_plan() -> None:
+    """What the RAM check counts is the staging plan's: a number forces the copy (sized for
+    every expert with KT_NUM_GPU_EXPERTS=auto), auto counts none, and auto's FP8 copy is on
+    for AMXINT4 on a GPU with FP8 and off without one."""
+    from vllm_kt_plugin.settings.variables import KTSettings
+    from vllm_kt_tools.cli.doctor import staging_ram
+
+    def settings(**env: str) -> KTSettings:
+        return KTSettings.from_env({"KT_METHOD": "AMXINT4", **env}, cores=4, numa_nodes=1)
+
+    assert staging_ram(settings(KT_STAGING_MIN_TOKENS="2048", KT_NUM_GPU_EXPERTS="33"), QWEN3_30B, None) == (33, False)
+    assert staging_ram(settings(KT_STAGING_MIN_TOKENS="2048", KT_NUM_GPU_EXPERTS="auto"), QWEN3_30B, (9, 0)) == (
+        0,
+        True,
+    )
+    assert staging_ram(settings(), QWEN3_30B, (9, 0)) == (None, True)
+    assert staging_ram(settings(KT_STAGING_MIN_TOKENS="0"), QWEN3_30B, (9, 0)) == (None, False)
 
 
 @pytest.fixture

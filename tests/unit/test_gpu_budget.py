@@ -9,12 +9,7 @@ import pytest
 import torch
 import transformers
 
-from vllm_kt_plugin.planning.gpu_budget import (
-    NO_CUDA_DEVICE,
-    auto_gpu_prefill_refusal,
-    fit_gpu_experts,
-    resolve_num_gpu_experts,
-)
+from vllm_kt_plugin.planning.gpu_budget import fit_gpu_experts, resolve_num_gpu_experts
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
@@ -273,16 +268,16 @@ LAYERED = ModelMemory(
 )
 
 
-def test_gpu_prefill_staging_is_reserved() -> None:
-    """With GPU prefill on, two staging buffers of a layer's CPU experts come out of the
+def test_staging_buffers_are_reserved() -> None:
+    """With staging on, two buffers of a layer's CPU experts come out of the
     expert room. 72 - 12 - 4 = 56 GiB; without them
     74 experts fit (0.75 GiB each across 48 layers); with them n * 0.75 + 2 * (128 - n) / 64
     <= 56 -> 72."""
-    settings = {"KT_NUM_GPU_EXPERTS": "auto", "KT_KV_CACHE_RESERVE_GB": "12", "KT_GPU_PREFILL_MIN_TOKENS": "2048"}
+    settings = {"KT_NUM_GPU_EXPERTS": "auto", "KT_KV_CACHE_RESERVE_GB": "12", "KT_STAGING_MIN_TOKENS": "2048"}
     on = resolve_num_gpu_experts(kt(settings), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB)
-    assert on.num_gpu_experts == 72 and "GPU-prefill staging buffers" in on.explanation, on.explanation
+    assert on.num_gpu_experts == 72 and "GB of it for the staging buffers" in on.explanation, on.explanation
     off = resolve_num_gpu_experts(
-        kt({**settings, "KT_GPU_PREFILL_MIN_TOKENS": "0"}),
+        kt({**settings, "KT_STAGING_MIN_TOKENS": "0"}),
         LAYERED,
         gpu_memory_utilization=0.9,
         device_total_bytes=80 * GIB,
@@ -303,7 +298,7 @@ def test_gpu_prefill_staging_is_reserved() -> None:
         assert budget.num_gpu_experts == staged, (method, budget.explanation)
 
 
-def test_auto_gpu_prefill_reserves_staging_only_where_it_turns_on() -> None:
+def test_auto_staging_reserves_buffers_only_where_it_turns_on() -> None:
     """auto reserves the staging buffers like a set threshold where they are a small share
     of the GPU (2 x 2 GiB of 72 granted), and nothing where they would crowd the experts out
     (a 16 GiB GPU)."""
@@ -314,42 +309,7 @@ def test_auto_gpu_prefill_reserves_staging_only_where_it_turns_on() -> None:
         kt({**auto, "KT_KV_CACHE_RESERVE_GB": "2"}), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=16 * GIB
     )
     assert "staging" not in small.explanation and small.num_gpu_experts == 11  # (14.4 - 2 - 4) / 0.75
-
-
-def test_auto_gpu_prefill_refusals() -> None:
-    """Why auto leaves GPU prefill off, per model and host; None where it turns on."""
-
-    def refusal(
-        memory: ModelMemory = LAYERED,
-        device: int | None = 80 * GIB,
-        ram: int = 512 * GIB,
-        kt_method: str = "AMXINT4",
-        tp: int = 1,
-    ) -> str | None:
-        return auto_gpu_prefill_refusal(
-            memory,
-            device_total_bytes=device,
-            gpu_memory_utilization=0.9,
-            num_gpu_experts=32,
-            ram_available_bytes=ram,
-            kt_method=kt_method,
-            tensor_parallel_size=tp,
-        )
-
-    assert refusal() is None
-    assert refusal(device=None) == NO_CUDA_DEVICE
-    assert "quantized" in (refusal(dataclasses.replace(LAYERED, quantized=True)) or "")
-    # block-FP8: staged as kt-kernel's FP8 writes it back, from two pinned buffers of one layer
-    block_fp8 = dataclasses.replace(LAYERED, quantized=True, block_fp8=True)
-    assert "KT_METHOD=FP8" in (refusal(block_fp8) or "")
-    assert refusal(block_fp8, kt_method="FP8") is None
-    assert block_fp8.gpu_prefill_host_bytes(32, "FP8") == 2 * 96 * block_fp8.expert_bytes
-    assert block_fp8.gpu_prefill_host_bytes(32, "RAWINT4") == 0
-    # kt-kernel writes whole experts: one tensor-parallel rank
-    assert "tensor-parallel-size 2" in (refusal(block_fp8, kt_method="FP8", tp=2) or "")
-    # FP8 experts from KT_WEIGHT_PATH on an unquantized checkpoint: a BF16 host copy of every layer
-    assert LAYERED.gpu_prefill_host_bytes(32, "FP8") == 96 * LAYERED.num_moe_layers * LAYERED.expert_bytes
-    assert LAYERED.gpu_prefill_host_bytes(32, "BF16") == 2 * 96 * LAYERED.expert_bytes
-    assert "staging buffers" in (refusal(device=16 * GIB) or "")
-    # host copy: 96 x 48 / 64 = 72 GiB, beside kt-kernel's experts: more than 90 % of 64 GiB
-    assert "RAM" in (refusal(ram=64 * GIB) or "")
+    # the staging plan turns auto off beside dynamic experts, so no room is kept for it
+    dynamic = {**auto, "KT_DYNAMIC_GPU_EXPERTS": "4"}
+    moving = resolve_num_gpu_experts(kt(dynamic), LAYERED, gpu_memory_utilization=0.9, device_total_bytes=80 * GIB)
+    assert moving.num_gpu_experts == 74 and "staging" not in moving.explanation

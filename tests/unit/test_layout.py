@@ -136,9 +136,27 @@ HYBRID_TOP = frozenset(f"{HYBRID}.{m}" for m in ("quant_config", "moe_method", "
 def test_hybrid_paths_and_observers_import_nothing_above_them() -> None:
     graph = package_imports()
     below = sorted(m for m in graph if m.startswith(f"{HYBRID}.") and m not in HYBRID_TOP)
-    assert {f"{HYBRID}.{m}" for m in ("contracts", "paths", "cpu_path", "split_path", "observers")} <= set(below)
+    assert {f"{HYBRID}.{m}" for m in ("contracts", "paths", "cpu_path", "staging.split", "observers")} <= set(below)
     upward = {m: sorted(_reachable(graph, m) & HYBRID_TOP) for m in below}
     assert not any(upward.values()), {m: n for m, n in upward.items() if n}
+
+
+STAGING_PLAN = f"{HYBRID}.staging.plan"
+
+
+def test_the_staging_plan_is_pure_and_below_planning() -> None:
+    """The one staging decision (``hybrid/staging/plan.py``) imports no torch, no vLLM and
+    nothing of the package above the settings, so planning, serve's checks and doctor ask it
+    as each layer does; planning reads nothing else of ``hybrid/``."""
+    graph = package_imports()
+    assert graph[STAGING_PLAN] and all(m.startswith(f"{RUNTIME}.settings") for m in graph[STAGING_PLAN])
+    tree = ast.parse((ROOT / RUNTIME / "hybrid" / "staging" / "plan.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"torch", "vllm", "kt_kernel"}, imported
+    planning = {m: graph[m] for m in graph if m.startswith(f"{RUNTIME}.planning")}
+    reaches = {n for deps in planning.values() for n in deps if n.startswith(HYBRID)}
+    assert reaches == {STAGING_PLAN}, reaches
 
 
 def test_the_process_state_keeps_its_contract() -> None:
@@ -187,7 +205,18 @@ PUBLIC_VLLM_IMPORTS: dict[str, frozenset[str]] = {
     "vllm.model_executor.layers.fused_moe.modular_kernel": frozenset({"FusedMoEKernel"}),
     "vllm.model_executor.layers.fused_moe.runner.shared_experts": frozenset({"SharedExperts"}),
 }
+# What the tooling may use besides: the offline engine and its settings (vllm.LLM), the
+# config a layer is built under, the factory models build MoE layers with, and
+# ``import vllm`` (its version). Its internals are in vllm_kt_tools/support/vllm_internals.py.
+PUBLIC_VLLM_TOOL_IMPORTS: dict[str, frozenset[str]] = {
+    "vllm": frozenset({"LLM", "SamplingParams"}),
+    "vllm.inputs": frozenset({"TokensPrompt"}),  # prompts as token ids (the model check's teacher forcing)
+    "vllm.entrypoints.cli.main": frozenset(),  # the module the `vllm` command runs (vllm serve)
+    "vllm.config": frozenset({"ModelConfig"}),
+    "vllm.model_executor.layers.fused_moe": frozenset({"FusedMoEFactory"}),
+}
 COMPAT = ROOT / RUNTIME / "hybrid" / "vllm_compat.py"
+TOOLS_COMPAT = ROOT / TOOLS / "support" / "vllm_internals.py"
 _VLLM_MODULE_NAME = re.compile(r"vllm(\.\w+)+")
 
 
@@ -203,13 +232,14 @@ def _names_a_vllm_module(node: ast.AST) -> bool:
     return bool(_VLLM_MODULE_NAME.fullmatch(node.value)) and importlib.util.find_spec(node.value) is not None
 
 
-def vllm_imports_outside_compat() -> list[tuple[str, str, str | None]]:
-    """Every use of a vLLM module outside vllm_compat.py, as (where, module, name): each
-    ``from vllm... import name`` and ``import vllm...`` (TYPE_CHECKING ones too), and each
-    string naming an importable vLLM module (``importlib.import_module("vllm....")``)."""
+def vllm_imports_outside_compat(package: str = RUNTIME) -> list[tuple[str, str, str | None]]:
+    """Every use of a vLLM module in ``package`` outside its compat module (vllm_compat.py,
+    vllm_internals.py), as (where, module, name): each ``from vllm... import name`` and
+    ``import vllm...`` (TYPE_CHECKING ones too), and each string naming an importable vLLM
+    module (``importlib.import_module("vllm....")``)."""
     found = []
-    for path in sorted((ROOT / RUNTIME).rglob("*.py")):
-        if path == COMPAT:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if path in (COMPAT, TOOLS_COMPAT):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
@@ -222,11 +252,19 @@ def vllm_imports_outside_compat() -> list[tuple[str, str, str | None]]:
     return found
 
 
-def unlisted_vllm_imports(found: list[tuple[str, str, str | None]]) -> list[str]:
+def unlisted_vllm_imports(
+    found: list[tuple[str, str, str | None]], extra: dict[str, frozenset[str]] | None = None
+) -> list[str]:
+    """The uses not on PUBLIC_VLLM_IMPORTS (nor on ``extra``, with ``import vllm`` itself)."""
+    allowed = {
+        m: PUBLIC_VLLM_IMPORTS.get(m, frozenset()) | (extra or {}).get(m, frozenset())
+        for m in {*PUBLIC_VLLM_IMPORTS, *(extra or {})}
+    }
     return [
         f"{where} {module}{f'.{name}' if name else ''}"
         for where, module, name in found
-        if name is None or name not in PUBLIC_VLLM_IMPORTS.get(module, ())
+        if not (extra is not None and name is None and module in {"vllm", *extra})
+        and (name is None or name not in allowed.get(module, ()))
     ]
 
 
@@ -238,6 +276,22 @@ def test_vllm_is_imported_through_its_public_interfaces_only() -> None:
     assert len(found) > 20  # the walk found the package's imports
     unlisted = unlisted_vllm_imports(found)
     assert not unlisted, "vLLM internals outside hybrid/vllm_compat.py: " + "; ".join(unlisted)
+
+
+def test_the_tooling_imports_vllm_internals_in_one_module_only() -> None:
+    """The same guard over vllm_kt_tools: its public interfaces (the runtime's and
+    PUBLIC_VLLM_TOOL_IMPORTS), and every internal through support/vllm_internals.py, whose
+    TOUCHES tests/unit/test_vllm_compat.py checks on the installed vLLM."""
+    found = vllm_imports_outside_compat(TOOLS)
+    assert len(found) > 5  # the walk found the tooling's imports
+    unlisted = unlisted_vllm_imports(found, PUBLIC_VLLM_TOOL_IMPORTS)
+    assert not unlisted, "vLLM internals outside vllm_kt_tools/support/vllm_internals.py: " + "; ".join(unlisted)
+    used = {(module, name) for _, module, name in found}
+    listed = {(module, name) for module, names in PUBLIC_VLLM_TOOL_IMPORTS.items() for name in names}
+    assert listed <= used, sorted(listed - used)
+    assert unlisted_vllm_imports([("a.py:1", "vllm.distributed", "init_distributed_environment")], {}) == [
+        "a.py:1 vllm.distributed.init_distributed_environment"
+    ]
 
 
 def test_the_public_vllm_imports_exist_and_are_used() -> None:
@@ -281,15 +335,17 @@ PRIVATE_VLLM_ATTRIBUTES = frozenset(
 def test_vllm_internals_are_touched_in_one_module() -> None:
     """Like kt-kernel's breaks in ``cpu_backends/kt_kernel/compat.py``: every use of a
     private vLLM attribute, and of every attribute TOUCHES lists, is in
-    ``hybrid/vllm_compat.py``, whose TOUCHES a unit test checks against the installed vLLM."""
+    ``hybrid/vllm_compat.py`` (the tooling's: in ``support/vllm_internals.py``), whose
+    TOUCHES a unit test checks against the installed vLLM."""
     from vllm_kt_plugin.hybrid.vllm_compat import TOUCHES
+    from vllm_kt_tools.support.vllm_internals import TOUCHES as TOOL_TOUCHES
 
-    touched = PRIVATE_VLLM_ATTRIBUTES | {touch.attribute for touch in TOUCHES}
+    touched = PRIVATE_VLLM_ATTRIBUTES | {touch.attribute for touch in (*TOUCHES, *TOOL_TOUCHES)}
     # strings count too (getattr(obj, "name")), but Mixtral's config.json key of this name is not vLLM's
-    config_keys = {("model_memory.py", "num_local_experts")}
+    config_keys = {(name, "num_local_experts") for name in ("model_memory.py", "gguf_export.py", "recipes.py")}
     found = []
-    for path in sorted((ROOT / RUNTIME).rglob("*.py")):
-        if path == COMPAT:
+    for path in sorted([*(ROOT / RUNTIME).rglob("*.py"), *(ROOT / TOOLS).rglob("*.py")]):
+        if path in (COMPAT, TOOLS_COMPAT):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)

@@ -81,11 +81,12 @@ def test_a_report_gives_each_batch_size_its_line(monkeypatch) -> None:
 
 
 def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> None:
-    """Each prefill-sized or GPU-prefill forward gives one line (at the first hybrid layer,
+    """Each prefill-sized or staged forward gives one line (at the first hybrid layer,
     whatever the order the layers register in), which the bench reads back as the engine's
     steps."""
     from vllm_kt_plugin.hybrid import metrics as module
-    from vllm_kt_plugin.hybrid.metrics import CPU_PATH, GPU_PREFILL_PATH, LARGE_FORWARD_TOKENS, HybridMetrics
+    from vllm_kt_plugin.hybrid.metrics import LARGE_FORWARD_TOKENS, HybridMetrics
+    from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH, WHOLE_LAYER_PATH
     from vllm_kt_tools.bench.report import large_forwards
 
     lines: list[str] = []
@@ -96,10 +97,10 @@ def test_prefill_sized_forwards_are_logged_once_with_their_path(monkeypatch) -> 
     for layer in (3, 5):
         metrics.large_forward(layer, 1024, CPU_PATH)
     metrics.large_forward(3, LARGE_FORWARD_TOKENS - 1, CPU_PATH)  # decode-sized: nothing
-    metrics.large_forward(3, 7168, GPU_PREFILL_PATH)
-    metrics.large_forward(3, 32, GPU_PREFILL_PATH)  # GPU prefill below the size: still logged
+    metrics.large_forward(3, 7168, WHOLE_LAYER_PATH)
+    metrics.large_forward(3, 32, WHOLE_LAYER_PATH)  # staged below the size: still logged
     steps = large_forwards("\n".join(f"(EngineCore pid=1) INFO 12-04 06:29:25 [metrics.py:1] {x}" for x in lines))
-    assert [s[:2] for s in steps] == [[1024, "CPU-experts"], [7168, "GPU-prefill"], [32, "GPU-prefill"]], lines
+    assert [s[:2] for s in steps] == [[1024, "CPU-experts"], [7168, "whole-layer"], [32, "whole-layer"]], lines
     assert steps[0][2] == 0.0
     assert large_forwards("nothing") == []
 

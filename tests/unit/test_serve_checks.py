@@ -25,16 +25,17 @@ MODEL_MISTAKES = [
     ("auto without a GPU", {"KT_NUM_GPU_EXPERTS": "auto"}, "KT_NUM_GPU_EXPERTS", "auto"),
     ("deferring every expert", {"KT_MAX_DEFERRED_EXPERTS_PER_TOKEN": "2"}, "KT_MAX_DEFERRED_EXPERTS_PER_TOKEN", "2"),
 ]
-# The other refusals of test_settings.py and test_fp8_host_copy.py that need no file, NUMA
+# The other refusals of test_settings.py and hybrid/staging/test_plan.py that need no file, NUMA
 # layout or checkpoint of their own (those are checked by the same code: serve_checks.validated
 # and the backend's check_model).
 MORE_MISTAKES = [
-    ("negative GPU prefill threshold", {"KT_GPU_PREFILL_MIN_TOKENS": "-1"}, "KT_GPU_PREFILL_MIN_TOKENS", "-1"),
-    ("GPU prefill threshold not a number", {"KT_GPU_PREFILL_MIN_TOKENS": "many"}, "KT_GPU_PREFILL_MIN_TOKENS", "many"),
+    ("negative staging threshold", {"KT_STAGING_MIN_TOKENS": "-1"}, "KT_STAGING_MIN_TOKENS", "-1"),
+    ("staging threshold not a number", {"KT_STAGING_MIN_TOKENS": "many"}, "KT_STAGING_MIN_TOKENS", "many"),
+    ("staging threshold not a number, old name", {"KT_GPU_PREFILL_MIN_TOKENS": "x"}, "KT_STAGING_MIN_TOKENS", "x"),
     ("negative dynamic experts", {"KT_DYNAMIC_GPU_EXPERTS": "-1"}, "KT_DYNAMIC_GPU_EXPERTS", "-1"),
     (
-        "dynamic experts beside a fixed GPU prefill",
-        {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_GPU_PREFILL_MIN_TOKENS": "2048"},
+        "dynamic experts beside a fixed staging threshold",
+        {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_STAGING_MIN_TOKENS": "2048"},
         "KT_DYNAMIC_GPU_EXPERTS",
         "1",
     ),
@@ -47,9 +48,9 @@ MORE_MISTAKES = [
     ("dynamic experts on torch", {"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_BACKEND": "torch"}, "KT_DYNAMIC_GPU_EXPERTS", "1"),
     ("cache dir under a file", {"KT_CACHE_DIR": "/proc/cpuinfo/cache"}, "KT_CACHE_DIR", "/proc/cpuinfo/cache"),
     (
-        "FP8 copy with GPU prefill off",
-        {"KT_GPU_PREFILL_FP8_COPY": "1", "KT_GPU_PREFILL_MIN_TOKENS": "0"},
-        "KT_GPU_PREFILL_FP8_COPY",
+        "FP8 copy with staging off",
+        {"KT_STAGING_FP8_COPY": "1", "KT_STAGING_MIN_TOKENS": "0"},
+        "KT_STAGING_FP8_COPY",
         "1",
     ),
 ]
@@ -111,7 +112,7 @@ def test_a_preset_for_another_model_warns_in_both(
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-# (checkpoint's quantization_config, KT_METHOD, a GPU here, what serve says of KT_GPU_PREFILL_MIN_TOKENS=64)
+# (checkpoint's quantization_config, KT_METHOD, a GPU here, what serve says of KT_STAGING_MIN_TOKENS=64)
 STAGING = [
     (None, "AMXINT4", False, None),  # unquantized: staged from a host copy, on any device
     (GPTQ, "AMXINT4", True, "this checkpoint's experts are quantized"),
@@ -122,32 +123,51 @@ STAGING = [
 
 
 @pytest.mark.parametrize(("quant", "method", "has_gpu", "refusal"), STAGING)
-def test_a_fixed_gpu_prefill_threshold_is_refused_where_nothing_can_be_staged(
+def test_a_fixed_staging_threshold_is_refused_where_nothing_can_be_staged(
     quant: dict | None, method: str, has_gpu: bool, refusal: str | None
 ) -> None:
     """Refused at config time (serve's API-server process, doctor), by the rule each layer
-    applies again on the kernel vLLM chose; auto and 0 are never refused here."""
+    applies again on the kernel vLLM chose: the staging plan); auto and 0 are never refused here."""
     from vllm_kt_plugin.settings.variables import KTSettings
     from vllm_kt_tools.bench.shapes import SHAPES
 
     config = {**SHAPES["qwen3-30b-a3b"], **({"quantization_config": quant} if quant else {})}
     experts = config["num_experts"]
     for threshold in ("auto", "0"):
-        lenient = KTSettings.from_env(
-            {"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": threshold}, cores=4, numa_nodes=1
-        )
-        serve_checks.check_gpu_prefill(lenient, config, experts, has_gpu=has_gpu)
-    fixed = KTSettings.from_env({"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1)
+        lenient = KTSettings.from_env({"KT_METHOD": method, "KT_STAGING_MIN_TOKENS": threshold}, cores=4, numa_nodes=1)
+        serve_checks.check_staging(lenient, config, experts, has_gpu=has_gpu)
+    fixed = KTSettings.from_env({"KT_METHOD": method, "KT_STAGING_MIN_TOKENS": "64"}, cores=4, numa_nodes=1)
     if refusal is None:
-        serve_checks.check_gpu_prefill(fixed, config, experts, has_gpu=has_gpu)
+        serve_checks.check_staging(fixed, config, experts, has_gpu=has_gpu)
         return
     with pytest.raises(KTConfigError) as refused:
-        serve_checks.check_gpu_prefill(fixed, config, experts, has_gpu=has_gpu)
-    assert (refused.value.variable, refused.value.value) == ("KT_GPU_PREFILL_MIN_TOKENS", "64")
+        serve_checks.check_staging(fixed, config, experts, has_gpu=has_gpu)
+    assert (refused.value.variable, refused.value.value) == ("KT_STAGING_MIN_TOKENS", "64")
     assert refusal in str(refused.value), refused.value
     all_on_gpu = KTSettings.from_env(
-        {"KT_METHOD": method, "KT_GPU_PREFILL_MIN_TOKENS": "64", "KT_NUM_GPU_EXPERTS": str(experts)},
+        {"KT_METHOD": method, "KT_STAGING_MIN_TOKENS": "64", "KT_NUM_GPU_EXPERTS": str(experts)},
         cores=4,
         numa_nodes=1,
     )
-    serve_checks.check_gpu_prefill(all_on_gpu, config, experts, has_gpu=has_gpu)  # no CPU experts to stage
+    serve_checks.check_staging(all_on_gpu, config, experts, has_gpu=has_gpu)  # no CPU experts to stage
+
+
+def test_fp8_copy_is_refused_at_config_time_on_a_quantized_checkpoint() -> None:
+    """Decided from the settings and the checkpoint's format alone (the staging plan with
+    those facts), so serve's config-time checks (and doctor, which runs them) refuse it
+    before any weight loads."""
+    from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
+    from vllm_kt_plugin.hybrid.serve_checks import validated
+    from vllm_kt_plugin.settings.variables import KTSettings
+
+    env = {"KT_BACKEND": "torch", "KT_STAGING_FP8_COPY": "1"}
+    settings = KTSettings.from_env(env, cores=4, numa_nodes=1)
+    assert settings.staging_fp8_copy
+    validated(settings, CheckpointFormat())  # a BF16 checkpoint: accepted
+    env = {"KT_BACKEND": "kt_kernel", "KT_METHOD": "FP8", "KT_STAGING_FP8_COPY": "1"}
+    settings = KTSettings.from_env(env, cores=4, numa_nodes=1)
+    fp8 = CheckpointFormat("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(KTConfigError) as refused:
+        validated(settings, fp8)
+    assert (refused.value.variable, str(refused.value.value)) == ("KT_STAGING_FP8_COPY", "1")
+    assert "already quantized (fp8)" in str(refused.value)

@@ -12,7 +12,7 @@ import pytest
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.kt_kernel import backend as ktb
 from vllm_kt_plugin.cpu_backends.registry import backend_class
-from vllm_kt_plugin.settings.catalogue import LOGGER_NAME, VARIABLES
+from vllm_kt_plugin.settings.catalogue import AUTO, LOGGER_NAME, RENAMED, VARIABLES
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.variables import KTSettings, default_cpuinfer_threads
@@ -61,13 +61,19 @@ MISTAKES = [
     ("unknown vllm cores", {"KT_VLLM_CORES": "pinned"}, "KT_VLLM_CORES", "pinned"),
     ("negative gpu experts", {"KT_NUM_GPU_EXPERTS": "-1"}, "KT_NUM_GPU_EXPERTS", "-1"),
     ("non-integer gpu experts", {"KT_NUM_GPU_EXPERTS": "half"}, "KT_NUM_GPU_EXPERTS", "half"),
-    ("split share of one", {"KT_GPU_PREFILL_SPLIT": "1"}, "KT_GPU_PREFILL_SPLIT", "1"),
-    ("fp8 copy not a flag", {"KT_GPU_PREFILL_FP8_COPY": "2"}, "KT_GPU_PREFILL_FP8_COPY", "2"),
-    ("gather window in seconds", {"KT_GPU_PREFILL_GATHER_MS": "30000"}, "KT_GPU_PREFILL_GATHER_MS", "30000"),
+    ("split share of one", {"KT_STAGING_SPLIT": "1"}, "KT_STAGING_SPLIT", "1"),
+    ("fp8 copy not a flag", {"KT_STAGING_FP8_COPY": "2"}, "KT_STAGING_FP8_COPY", "2"),
+    ("gather window in seconds", {"KT_STAGING_GATHER_MS": "30000"}, "KT_STAGING_GATHER_MS", "30000"),
     (
-        "gather with GPU prefill off",
-        {"KT_GPU_PREFILL_GATHER_MS": "30", "KT_GPU_PREFILL_MIN_TOKENS": "0"},
-        "KT_GPU_PREFILL_GATHER_MS",
+        "gather with staging off",
+        {"KT_STAGING_GATHER_MS": "30", "KT_STAGING_MIN_TOKENS": "0"},
+        "KT_STAGING_GATHER_MS",
+        "30",
+    ),
+    (
+        "gather by its former name with staging off",
+        {"KT_GPU_PREFILL_GATHER_MS": "30", "KT_STAGING_MIN_TOKENS": "0"},
+        "KT_STAGING_GATHER_MS",
         "30",
     ),
     ("zero threads", {"KT_CPUINFER": "0"}, "KT_CPUINFER", "0"),
@@ -276,44 +282,112 @@ def test_the_readme_opens_with_the_demo_and_the_tests() -> None:
 
 
 @pytest.mark.parametrize("raw", ["-1", "many", "1.5"])
-def test_gpu_prefill_min_tokens_is_validated(raw: str) -> None:
-    with pytest.raises(KTConfigError, match=f"KT_GPU_PREFILL_MIN_TOKENS='{re.escape(raw)}'"):
-        KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": raw}, cores=4, numa_nodes=1)
+def test_staging_min_tokens_is_validated(raw: str) -> None:
+    with pytest.raises(KTConfigError, match=f"KT_STAGING_MIN_TOKENS='{re.escape(raw)}'"):
+        KTSettings.from_env({"KT_STAGING_MIN_TOKENS": raw}, cores=4, numa_nodes=1)
 
 
-def test_gpu_prefill_is_auto_unless_set() -> None:
-    """None is auto (decided per model and host by the planning layer)."""
-    assert KTSettings.from_env({}, cores=4, numa_nodes=1).gpu_prefill_min_tokens is None
-    assert (
-        KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": " Auto"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens
-        is None
-    )
-    assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 0
-    assert KTSettings.from_env({"KT_GPU_PREFILL_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).gpu_prefill_min_tokens == 64
+def test_staging_is_auto_unless_set() -> None:
+    """AUTO is auto (decided per model, host and layer by the staging plan)."""
+    assert KTSettings.from_env({}, cores=4, numa_nodes=1).staging_min_tokens is AUTO
+    assert KTSettings.from_env({"KT_STAGING_MIN_TOKENS": " Auto"}, cores=4, numa_nodes=1).staging_min_tokens is AUTO
+    assert KTSettings.from_env({"KT_STAGING_MIN_TOKENS": "0"}, cores=4, numa_nodes=1).staging_min_tokens == 0
+    assert KTSettings.from_env({"KT_STAGING_MIN_TOKENS": "64"}, cores=4, numa_nodes=1).staging_min_tokens == 64
+
+
+def test_every_auto_is_one_value_parsed_by_the_catalogue() -> None:
+    """``auto`` is AUTO in every field it can set, straight from the catalogue's parser
+    (nothing converts it afterwards), and each such field is AUTO by default where auto is
+    the default."""
+    every = {
+        "KT_METHOD": "method",
+        "KT_NUM_GPU_EXPERTS": "num_gpu_experts",
+        "KT_STAGING_MIN_TOKENS": "staging_min_tokens",
+        "KT_STAGING_SPLIT": "staging_split",
+        "KT_STAGING_FP8_COPY": "staging_fp8_copy",
+    }
+    parsed = KTSettings.from_env(dict.fromkeys(every, "auto"), cores=4, numa_nodes=1)
+    assert all(getattr(parsed, field) is AUTO for field in every.values())
+    by_name = {v.name: v for v in VARIABLES}
+    assert all(by_name[name].parse("AUTO") is AUTO for name in every)
+    assert parsed.gpu_experts_auto and not KTSettings.from_env({}, cores=4, numa_nodes=1).gpu_experts_auto
+    defaults = KTSettings.from_env({}, cores=4, numa_nodes=1)
+    assert [f for f in every.values() if getattr(defaults, f) is AUTO] == [
+        "staging_min_tokens",
+        "staging_split",
+        "staging_fp8_copy",
+    ]
+
+
+def test_auto_survives_the_trip_to_vllms_workers() -> None:
+    """vLLM pickles the quant config, settings included, into each worker process: AUTO comes
+    back as the catalogue's own AUTO (a copy of it would read as a set value there)."""
+    import copy
+    import pickle
+
+    parsed = KTSettings.from_env({"KT_NUM_GPU_EXPERTS": "auto", "KT_STAGING_MIN_TOKENS": "16"}, cores=4, numa_nodes=1)
+    there = pickle.loads(pickle.dumps(parsed))
+    assert there == parsed and there.num_gpu_experts is AUTO and there.staging_split is AUTO
+    assert there.staging_fp8_copy is AUTO and there.gpu_experts_auto
+    assert copy.deepcopy(AUTO) is AUTO and copy.copy(AUTO) is AUTO
+
+
+def test_a_former_name_still_works_and_names_the_new_one(warnings_seen: pytest.LogCaptureFixture) -> None:
+    """KT_GPU_PREFILL_* became KT_STAGING_*: the old names are read (one notice each, naming
+    the new name), not warned about as unknown; both set to different values is refused."""
+    from vllm_kt_plugin.settings import variables
+
+    assert RENAMED == {
+        "KT_GPU_PREFILL_MIN_TOKENS": "KT_STAGING_MIN_TOKENS",
+        "KT_GPU_PREFILL_SPLIT": "KT_STAGING_SPLIT",
+        "KT_GPU_PREFILL_FP8_COPY": "KT_STAGING_FP8_COPY",
+        "KT_GPU_PREFILL_GATHER_MS": "KT_STAGING_GATHER_MS",
+    }
+    variables._NOTICED.clear()
+    old = {
+        "KT_GPU_PREFILL_MIN_TOKENS": "64",
+        "KT_GPU_PREFILL_SPLIT": "0.5",
+        "KT_GPU_PREFILL_FP8_COPY": "0",
+        "KT_GPU_PREFILL_GATHER_MS": "10",
+    }
+    parsed = load_settings(old, cores=4, numa_nodes=1)
+    notices = [r.getMessage() for r in warnings_seen.records]
+    load_settings(old, cores=4, numa_nodes=1)
+    assert len(warnings_seen.records) == len(notices)  # once per process
+    assert (parsed.staging_min_tokens, parsed.staging_split, parsed.staging_fp8_copy) == (64, 0.5, False)
+    assert parsed.staging_gather_ms == 10
+    assert list(dict.fromkeys(notices)) == [
+        f"kt-hybrid: {name} is now called {new}; the old name still works" for name, new in RENAMED.items()
+    ], notices
+    same = {"KT_GPU_PREFILL_MIN_TOKENS": "64", "KT_STAGING_MIN_TOKENS": "64"}
+    assert KTSettings.from_env(same, cores=4, numa_nodes=1).staging_min_tokens == 64
+    with pytest.raises(KTConfigError, match="its former name KT_GPU_PREFILL_MIN_TOKENS is set too") as exc:
+        KTSettings.from_env({**same, "KT_STAGING_MIN_TOKENS": "128"}, cores=4, numa_nodes=1)
+    assert_one_line_error(exc, "KT_STAGING_MIN_TOKENS", "128")
 
 
 def test_gather_window_is_30_ms_unless_set() -> None:
-    """KT_GPU_PREFILL_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
-    default stays quiet with GPU prefill off (only a value given is refused there)."""
+    """KT_STAGING_GATHER_MS (kt-hybrid's scheduler): 30 by default, 0 turns it off, and the
+    default stays quiet with staging off (only a value given is refused there)."""
 
     def window(env: dict[str, str]) -> float:
-        return KTSettings.from_env(env, cores=4, numa_nodes=1).gpu_prefill_gather_ms
+        return KTSettings.from_env(env, cores=4, numa_nodes=1).staging_gather_ms
 
-    assert window({}) == 30.0 and window({"KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
-    off = {"KT_GPU_PREFILL_MIN_TOKENS": "0"}
-    assert window(off) == 30.0 and window({**off, "KT_GPU_PREFILL_GATHER_MS": "0"}) == 0
+    assert window({}) == 30.0 and window({"KT_STAGING_GATHER_MS": "0"}) == 0
+    off = {"KT_STAGING_MIN_TOKENS": "0"}
+    assert window(off) == 30.0 and window({**off, "KT_STAGING_GATHER_MS": "0"}) == 0
 
 
 def test_dynamic_gpu_experts_are_validated(with_amx: None) -> None:
     """KT_DYNAMIC_GPU_EXPERTS: an integer >= 0; it needs CPU experts that can be written
-    back to the GPU (BF16 on kt-kernel) and leaves no room for an explicit GPU prefill."""
+    back to the GPU (BF16 on kt-kernel) and leaves no room for staging set to a number."""
     assert build({"KT_DYNAMIC_GPU_EXPERTS": "4", "KT_METHOD": "BF16"})[0].dynamic_gpu_experts == 4
     assert build({})[0].dynamic_gpu_experts == 0
     with pytest.raises(KTConfigError) as exc:
         build({"KT_DYNAMIC_GPU_EXPERTS": "-1"})
     assert_one_line_error(exc, "KT_DYNAMIC_GPU_EXPERTS", "-1")
-    with pytest.raises(KTConfigError, match="KT_GPU_PREFILL_MIN_TOKENS=2048 is set too") as exc:
-        build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_GPU_PREFILL_MIN_TOKENS": "2048"})
+    with pytest.raises(KTConfigError, match="KT_STAGING_MIN_TOKENS=2048 is set too") as exc:
+        build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_STAGING_MIN_TOKENS": "2048"})
     assert_one_line_error(exc, "KT_DYNAMIC_GPU_EXPERTS", "1")
     with pytest.raises(KTConfigError, match="kt_kernel AMXINT8 CPU experts cannot move to the GPU") as exc:
         build({"KT_DYNAMIC_GPU_EXPERTS": "1", "KT_METHOD": "AMXINT8"})
@@ -332,3 +406,27 @@ def test_a_kernel_known_to_crash_is_refused_like_a_missing_one(monkeypatch: pyte
     with pytest.raises(KTConfigError, match="AVX2 RAWINT4 kernel crashes the process") as exc:
         build({}, ct_int4)
     assert_one_line_error(exc, "KT_METHOD", "RAWINT4")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KT_STAGING_SPLIT": "0"}, "KT_STAGING_SPLIT='0'"),
+        ({"KT_STAGING_SPLIT": "1"}, "strictly between 0 and 1"),
+        ({"KT_STAGING_SPLIT": "half"}, "not a number"),
+        ({"KT_STAGING_FP8_COPY": "2"}, "must be auto, 0 or 1"),
+    ],
+)
+def test_split_settings_are_checked_at_config_time(env: dict[str, str], message: str) -> None:
+    with pytest.raises(KTConfigError, match=message):
+        KTSettings.from_env(env, cores=4, numa_nodes=1)
+
+
+def test_split_settings_parse() -> None:
+    default = KTSettings.from_env({}, cores=4, numa_nodes=1)
+    assert default.staging_split is AUTO and default.staging_fp8_copy is AUTO  # auto, per layer
+    given = KTSettings.from_env({"KT_STAGING_SPLIT": "0.25", "KT_STAGING_FP8_COPY": "1"}, cores=4, numa_nodes=1)
+    assert given.staging_split == 0.25 and given.staging_fp8_copy
+    assert KTSettings.from_env({"KT_STAGING_SPLIT": "auto"}, cores=4, numa_nodes=1).staging_split is AUTO
+    assert KTSettings.from_env({"KT_STAGING_FP8_COPY": "0"}, cores=4, numa_nodes=1).staging_fp8_copy is False
+    assert KTSettings.from_env({"KT_STAGING_FP8_COPY": "AUTO"}, cores=4, numa_nodes=1).staging_fp8_copy is AUTO

@@ -14,3 +14,4 @@ def test_every_variable_has_a_row() -> None:
     rendered = render()
     for variable in VARIABLES:
         assert f"| `{variable.name}` | {variable.default} |" in rendered, variable.name
+        assert all(f"`{old}`, still read" in rendered for old in variable.old_names), variable.name

@@ -42,7 +42,7 @@ def test_steps_open_at_the_first_layer_and_hold_every_layer_in_order() -> None:
         timeline.copy_done(timeline.copy_started(host_b, 95, PREFETCH, None), None)  # the next step's first layer
     timeline.enable("alone", 256)
     for idx in (1, 2, 3):
-        _layer(timeline, idx, 1024, path="whole layer")
+        _layer(timeline, idx, 1024, path="whole-layer")
     steps = timeline.collect()
     assert [(s["label"], s["tokens"]) for s in steps] == [("8 x 1024", 1024), ("8 x 1024", 7168), ("alone", 1024)]
     for step in steps:
@@ -94,7 +94,7 @@ def test_summary_splits_a_step_into_experts_rest_and_copies() -> None:
         "layers": [
             {
                 "layer": 0,
-                "path": "whole layer",
+                "path": "whole-layer",
                 "start_ms": 0.0,
                 "gpu_ms": 20.0,
                 "wait_ms": 0.0,
@@ -125,14 +125,14 @@ def test_summary_splits_a_step_into_experts_rest_and_copies() -> None:
     s = summarize(step)
     assert s["moe_ms"] == 50.0 and s["rest_ms"] == 50.0 and s["gpu_ms"] == 30.0 and s["wait_ms"] == 20.0
     assert s["copy_ms"] == 30.0 and s["copy_busy_ms"] == 20.0  # overlapping copies count once
-    assert s["paths"] == {"whole layer": 1, "split": 1} and s["staged_per_layer"] == 90.0
+    assert s["paths"] == {"whole-layer": 1, "split": 1} and s["staged_per_layer"] == 90.0
 
 
 def test_the_split_probe_is_read_back_as_its_log_line_gives_it(fresh_process_state) -> None:
     """What the bench stores beside the timeline (``split_costs``): the process's probe, raw
     (the staged format's path-choice factor is each layer's), or nothing before one ran."""
-    from vllm_kt_plugin.hybrid.split_cost import SplitCosts
-    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
+    from vllm_kt_plugin.hybrid.staging.costs import SplitCosts
+    from vllm_kt_plugin.hybrid.staging.probe import ProbedCosts
     from vllm_kt_tools.bench.timeline import split_costs_in_worker, timeline_record
 
     assert split_costs_in_worker() is None

@@ -1,7 +1,8 @@
-"""Every vLLM internal kt-hybrid relies on (``hybrid/vllm_compat.py``'s TOUCHES) exists
-on the installed vLLM: an upgrade that renames one fails here, by name, and not in the
-middle of a forward. Outside vllm_compat the package reads only public attributes of
-vLLM's objects (PUBLIC_VLLM_ATTRIBUTES); tests/unit/test_layout.py guards the imports."""
+"""Every vLLM internal kt-hybrid relies on (``hybrid/vllm_compat.py``'s TOUCHES, and the
+tooling's in ``vllm_kt_tools/support/vllm_internals.py``) exists on the installed vLLM: an
+upgrade that renames one fails here, by name, and not in the middle of a forward. Outside
+those two modules both packages read only public attributes of vLLM's objects
+(PUBLIC_VLLM_ATTRIBUTES); tests/unit/test_layout.py guards the imports."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import torch
 from kt_testing.schedulers import build_scheduler, request, scheduler_vllm_config
 
 from vllm_kt_plugin.hybrid.vllm_compat import TOUCHES, Touch
+from vllm_kt_tools.support import vllm_internals
 from vllm_kt_tools.support.moe_layers import build_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "vllm_kt_plugin" / "hybrid" / "vllm_compat.py"
+TOOLS_COMPAT = ROOT / "vllm_kt_tools" / "support" / "vllm_internals.py"
+EVERY_TOUCH = (*TOUCHES, *vllm_internals.TOUCHES)
 
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -133,6 +137,10 @@ PUBLIC_VLLM_ATTRIBUTES: dict[str, frozenset[str]] = {
     ),
 }
 PUBLIC_NAMES = frozenset().union(*PUBLIC_VLLM_ATTRIBUTES.values())
+# The tooling's own objects whose attribute names vLLM's scheduler or request also carries:
+# the bench's run specs and argparse's max_model_len and max_tokens, an HTTP response's and a
+# support-matrix row's status. Listed for vllm_kt_tools only: the runtime reads none of them.
+TOOLING_OWN_NAMES = frozenset({"max_model_len", "max_tokens", "status"})
 _NAME_ARGUMENT_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
@@ -167,17 +175,23 @@ def attribute_uses(path: Path) -> list[tuple[int, str]]:
     return uses
 
 
-def unlisted_vllm_attributes(vllm_names: set[str], paths: list[Path]) -> list[str]:
+def unlisted_vllm_attributes(
+    vllm_names: set[str], paths: list[Path], allowed: frozenset[str] = PUBLIC_NAMES
+) -> list[str]:
     return [
         f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} {name}"
         for path in paths
         for line, name in attribute_uses(path)
-        if name in vllm_names and name not in PUBLIC_NAMES
+        if name in vllm_names and name not in allowed
     ]
 
 
 def _runtime_files() -> list[Path]:
     return [p for p in sorted((ROOT / "vllm_kt_plugin").rglob("*.py")) if p != COMPAT]
+
+
+def _tool_files() -> list[Path]:
+    return [p for p in sorted((ROOT / "vllm_kt_tools").rglob("*.py")) if p != TOOLS_COMPAT]
 
 
 def test_vllm_objects_are_read_through_public_attributes_only(instances: dict[str, object]) -> None:
@@ -192,12 +206,19 @@ def test_vllm_objects_are_read_through_public_attributes_only(instances: dict[st
     assert not unlisted, "vLLM attributes outside hybrid/vllm_compat.py: " + "; ".join(unlisted)
 
 
+def test_the_tooling_reads_vllm_objects_through_public_attributes_only(instances: dict[str, object]) -> None:
+    """The same guard over vllm_kt_tools, whose internals go through support/vllm_internals.py."""
+    allowed = PUBLIC_NAMES | TOOLING_OWN_NAMES
+    unlisted = unlisted_vllm_attributes(vllm_attribute_names(instances), _tool_files(), allowed)
+    assert not unlisted, "vLLM attributes outside vllm_kt_tools/support/vllm_internals.py: " + "; ".join(unlisted)
+
+
 def test_public_attributes_are_vllms_and_not_touches(instances: dict[str, object]) -> None:
     """The allow-list against the installed vLLM: each name is still one of its objects'
     (an upgrade that renames one fails here), and none is an internal TOUCHES lists."""
-    missing = PUBLIC_NAMES - vllm_attribute_names(instances)
+    missing = (PUBLIC_NAMES | TOOLING_OWN_NAMES) - vllm_attribute_names(instances)
     assert not missing, sorted(missing)
-    assert not PUBLIC_NAMES & {touch.attribute for touch in TOUCHES}
+    assert not (PUBLIC_NAMES | TOOLING_OWN_NAMES) & {touch.attribute for touch in EVERY_TOUCH}
 
 
 def test_the_attribute_guard_finds_what_it_was_not_told_about(instances: dict[str, object], tmp_path: Path) -> None:
@@ -266,11 +287,17 @@ def test_stack_copies_are_routed_until_released(vllm_layer_context) -> None:
         layer.w2_weight.copy_(stack)
 
 
-@pytest.mark.parametrize("touch", TOUCHES, ids=lambda t: f"{t.owner}.{t.attribute}")
+@pytest.mark.parametrize("touch", EVERY_TOUCH, ids=lambda t: f"{t.owner}.{t.attribute}")
 def test_the_vllm_internal_exists(touch: Touch, instances: dict[str, object]) -> None:
     owner = owner_of(touch)
     if touch.on == "owner":
         assert hasattr(owner, touch.attribute), f"vLLM no longer has {touch.owner}.{touch.attribute}: {touch.relied_on}"
+        return
+    if touch.on == "init":  # set on instances by the class's __init__: read from its source
+        import inspect
+
+        source = inspect.getsource(owner.__init__)  # type: ignore[misc]
+        assert f"self.{touch.attribute} =" in source or f"self.{touch.attribute}:" in source, touch
         return
     assert touch.on == "instance", touch
     instance = instances[touch.owner.partition(":")[2]]
@@ -281,7 +308,7 @@ def test_the_vllm_internal_exists(touch: Touch, instances: dict[str, object]) ->
 
 def test_every_touched_class_has_an_instance_here(instances: dict[str, object]) -> None:
     """A new instance touch needs an instance above, or the test above cannot check it."""
-    wanted = {t.owner.partition(":")[2] for t in TOUCHES if t.on == "instance"}
+    wanted = {t.owner.partition(":")[2] for t in EVERY_TOUCH if t.on == "instance"}
     assert wanted <= set(instances)
 
 

@@ -190,7 +190,7 @@ class CPUExperts(ABC):
 
     @property
     def writes_gpu_layout(self) -> bool:
-        """Whether ``write_gpu_layout`` can hand out this backend's experts (GPU prefill
+        """Whether ``write_gpu_layout`` can hand out this backend's experts (staging
         then keeps no host copy of its own)."""
         return False
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from vllm_kt_plugin.settings.catalogue import AUTO, Auto
+
 
 class WaitingQueues(Protocol):
     """What the gate reads of vLLM's scheduler before a step (``vllm_compat.SchedulerView``),
@@ -51,18 +53,18 @@ class LayersSeen:
     layer stages its CPU experts on the GPU, and the split paths' threshold once probed."""
 
     stage: bool
-    split: bool  # split paths exist (KT_GPU_PREFILL_MIN_TOKENS=auto, one rank, or a forced share)
+    split: bool  # split paths exist (KT_STAGING_MIN_TOKENS=auto, one rank, or a forced share)
     probed: bool  # their costs are probed (from the first forward that took the split)
     split_whole_from: int  # the largest of their thresholds (huge where one never stages it whole)
 
 
 def whole_layer_from(
-    min_tokens: int | None, split_share: float | None, auto_min_tokens: int, largest_graph: int, seen: LayersSeen | None
+    min_tokens: int | Auto, split_share: float | Auto, auto_min_tokens: int, largest_graph: int, seen: LayersSeen | None
 ) -> int | None:
     """The smallest forward that streams the whole layer, as the scheduler's process can tell;
     None where none does. ``seen``: the layers, where they live in this process (one GPU); else
     (tensor parallelism, vLLM's CPU build: the layers live in worker processes) the settings
-    say: ``min_tokens`` (KT_GPU_PREFILL_MIN_TOKENS; None = auto, which streams the whole layer
+    say: ``min_tokens`` (KT_STAGING_MIN_TOKENS; auto streams the whole layer
     from ``auto_min_tokens`` with tensor parallelism and, with the split, from a probed size not
     known here, so that conservative size too), ``split_share`` (a forced split stages a part,
     never the whole layer); never at a CUDA-graph batch size (those replay the CPU path)."""
@@ -72,13 +74,13 @@ def whole_layer_from(
         if not seen.stage:
             return None  # auto found no room, or no CUDA: every forward takes the CPU path
         if seen.split:
-            if split_share is not None:
+            if split_share is not AUTO:
                 return None
             if seen.probed:
                 return seen.split_whole_from
-    elif split_share is not None:
+    elif split_share is not AUTO:
         return None
-    return max(min_tokens or auto_min_tokens, largest_graph + 1)
+    return max(auto_min_tokens if min_tokens is AUTO else int(min_tokens), largest_graph + 1)
 
 
 def holds_prompts(

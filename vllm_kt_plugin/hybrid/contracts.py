@@ -1,22 +1,11 @@
 """The contracts of one hybrid forward: route -> pick a path -> run it, with observers told.
 
-A layer holds its ``ForwardPath``s in order (``paths.PATH_BUILDERS``) and runs the first
-that takes the forward; the CPU-experts path takes every forward, so it comes last. A path
-computes the whole routed-experts output of the layer (the GPU experts through
-``GPUExperts``, the CPU experts its own way) and has a say in the layer's weight lifecycle
-where it keeps weights of its own (GPU prefill's host copy).
-
-``ForwardObserver``s watch without changing results: they hear that a forward was routed
-(before any of its work is queued) and which path it takes, and may hand the path
-``StageMarks`` to time its stages (submit, GPU experts, sync). Like the stages of vLLM's
-modular kernel (prepare / experts / finalize), the points are fixed; what happens at them
-is each observer's business.
-
-A layer is given a ``LayerContext`` by the quantization config; through it, it reaches what
-the layers of its process share as a ``ProcessState`` (the staging buffers, the next layer's
-host copy or split path, the probed costs, the recorders): a Protocol of the calls made,
-which ``process_state.HybridProcessState`` implements. So this module, the paths and the
-observers import nothing above them: no module of ``hybrid/`` that builds or holds layers.
+A layer runs the first of its ``ForwardPath``s (``paths``) whose ``takes`` accepts the
+forward; a path computes the layer's whole routed output and may take part in the weight
+lifecycle. ``ForwardObserver``s watch without changing results, and may hand the path
+``StageMarks`` to time its stages. A layer reaches what its process shares through
+``LayerContext.process``, the Protocol ``ProcessState``, so nothing here or in the paths and
+observers imports the modules that build or hold layers.
 """
 
 from __future__ import annotations
@@ -37,11 +26,11 @@ if TYPE_CHECKING:
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
     from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
     from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts
-    from vllm_kt_plugin.hybrid.host_experts import HostExperts
     from vllm_kt_plugin.hybrid.metrics import HybridMetrics
     from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
-    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
-    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging.probe import ProbedCosts
     from vllm_kt_plugin.hybrid.swap_log import SwapLog
     from vllm_kt_plugin.hybrid.timeline import Timeline
     from vllm_kt_plugin.planning.layer_plan import LayerPlan
@@ -65,11 +54,13 @@ class Forward:
 
 
 class SplitNeighbour(Protocol):
-    """What a split path reads of the next layer's (``split_path.SplitPath``) to prefetch
+    """What a split path reads of the next layer's (``staging.split.SplitPath``) to prefetch
     that layer's predicted part into the other staging buffer; and kt-hybrid's scheduler, of
     every split path, from which size a forward streams the whole layer."""
 
-    host: HostExperts | None
+    @property
+    def host(self) -> HostExperts | None: ...
+
     whole_min_tokens: int  # forwards from this size stage the whole layer (known once probed)
 
     @property
@@ -90,18 +81,18 @@ class ProcessState(Protocol):
     """What the kt-hybrid layers of one process share, as a layer reaches it (its context's
     ``process``; ``process_state.HybridProcessState``, one per process, implements it)."""
 
-    # GPU prefill: the host copies in decoder order and the staging buffers they share
+    # staging: the host copies in decoder order and the buffers they share
     host_experts: list[tuple[int, HostExperts]]
 
     def add_host_experts(self, layer_idx: int, host: HostExperts) -> None: ...
 
     def host_experts_after(self, layer_idx: int) -> HostExperts:
-        """The host copy of the next layer that has one (wrapping to the first): GPU
-        prefill prefetches it while ``layer_idx`` computes."""
+        """The host copy of the next layer that has one (wrapping to the first): the
+        whole-layer path prefetches it while ``layer_idx`` computes."""
         ...
 
     def staging(self, device: torch.device) -> StagingBuffers:
-        """The two GPU-prefill buffers of ``device``, shared by its layers."""
+        """The two staging buffers of ``device``, shared by its layers."""
         ...
 
     # the split: its paths in decoder order and the costs probed once per process
@@ -139,7 +130,7 @@ class LayerContext:
     """What one kt-hybrid MoE layer is given by the quantization config."""
 
     settings: KTSettings  # this process's (threads and NUMA nodes of its host share)
-    plan: LayerPlan  # placements, and why GPU prefill's auto stays off
+    plan: LayerPlan  # placements, and the model's staging plan
     backend: type[CPUExperts]
     make_native: Callable[[RoutedExperts, str], FusedMoEMethodBase]  # the checkpoint's method for a layer
     process: ProcessState

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vllm_kt_plugin.cpu_backends.base import CPUExperts
 from vllm_kt_plugin.hybrid.contracts import Forward, ForwardPath, LayerParts, StageMarks
-from vllm_kt_plugin.hybrid.metrics import CPU_PATH
+from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH
 
 
 class CPUExpertsPath(ForwardPath):

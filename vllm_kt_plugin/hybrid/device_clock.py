@@ -1,15 +1,10 @@
 """A clock on the GPU's own timeline, for KT_METRICS_INTERVAL inside CUDA graphs.
 
-A CUDA-graph replay runs no Python, so host clocks and CUDA events recorded from Python see
-nothing of decode at vLLM's default settings. Instead each hybrid layer enqueues three one-
-thread Triton kernels on its stream — before the submit, after the GPU experts, after the
-sync — that read NVIDIA's ``%globaltimer`` (ns) and add the intervals to sums in device
-memory, per layer and batch size (a captured graph has one size, known when it is captured:
-a report window that mixes decode steps with a prefill still gives each size its own
-figure). Kernels are captured like any other, so replays time themselves. The last hybrid
-layer of a forward copies the sums into pinned host memory (one small D2H copy, also
-captured), where a reporting thread reads them without any CUDA call (CUDA forbids some
-calls from other threads while vLLM captures graphs). Imported under CUDA only (Triton).
+A graph replay runs no Python, so each hybrid layer enqueues three one-thread Triton kernels
+that read ``%globaltimer`` and add the intervals to sums in device memory, per layer and
+captured batch size; the last layer of a forward copies them to pinned host memory, where
+the reporting thread reads them with no CUDA call (CUDA forbids some while vLLM captures).
+Imported under CUDA only (Triton).
 """
 
 from __future__ import annotations

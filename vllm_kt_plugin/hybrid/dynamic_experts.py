@@ -1,22 +1,11 @@
 """Dynamic GPU experts (KT_DYNAMIC_GPU_EXPERTS): each layer's GPU experts follow the traffic.
 
-Every forward adds the layer's expert picks to counts kept on the device (one index_add,
-captured into CUDA graphs like any kernel, so decode steps count too). Every N-th forward
-that runs outside CUDA graphs — where Python runs: every forward in eager mode and on
-vLLM's CPU build, prefills larger than the largest captured batch under CUDA graphs — the
-layer swaps its most-picked CPU experts with its least-picked GPU experts, before its own
-work of that forward is queued:
-
-- the CPU backend writes the incoming experts in the unquantized layout (kt-kernel's BF16
-  experts; it keeps every expert of the layer, so any can come in), a shadow of the layer
-  sized for them puts them through vLLM's own loader and post-processing (e.g. the CPU
-  build's prepacking), and each is copied into an outgoing expert's GPU slot, in place;
-- the slot map (on the device) and the CPU backend's GPU-expert mask (kt-kernel reads it
-  through a pointer at every forward) are updated in place.
-
-Nothing is reallocated, so captured CUDA graphs stay valid, and results do not change:
-every expert is computed exactly once per pick, on one side or the other. Counts decay by
-half at each refresh, so the placement follows recent traffic.
+Picks are counted on the device (captured into CUDA graphs too); every N-th forward that runs
+Python, the layer swaps its most-picked CPU experts with its least-picked GPU experts before
+queuing its work: the CPU backend writes the incoming ones (unquantized), a shadow of the
+layer puts them through vLLM's loader and post-processing, and they are copied into the
+outgoing experts' GPU slots in place. Nothing is reallocated (captured graphs stay valid) and
+every pick is computed once, on one side; counts halve at each refresh (docs/design.md).
 """
 
 from __future__ import annotations

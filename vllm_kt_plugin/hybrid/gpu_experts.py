@@ -1,12 +1,13 @@
 """A layer's GPU experts: the checkpoint's native vLLM method, run on the experts the
 placement keeps on the GPU (its "slots"), and what its kernel can take.
 
-Every forward path computes the GPU experts through ``GPUExperts``; GPU prefill also asks
-which kernels it can stage CPU experts for (``native_experts_format``).
+Every forward path computes the GPU experts through ``GPUExperts``; staging reads what the
+kernel takes once, when the layer is built (``native_kernel``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,12 +68,22 @@ def kernel_of(native: FusedMoEMethodBase) -> str:
     return f"{type(native).__name__} ({unquantized_backend_name(native) or 'quantized'})"
 
 
-def native_experts_format(native: FusedMoEMethodBase) -> str:
-    """The experts as the staging rule (``settings.staging``) names them: ``UNQUANTIZED``
-    where the kernel reads them from the layer, ``BLOCK_FP8``, else the kernel."""
-    if native_is_stageable(native):
-        return UNQUANTIZED
-    return BLOCK_FP8 if is_block_fp8(native) else kernel_of(native)
+@dataclass(frozen=True)
+class NativeKernel:
+    """What staging needs of the native method's kernel, read once when the layer is built."""
+
+    name: str  # the method and its backend, for messages
+    experts: str  # as the staging plan names them: UNQUANTIZED, BLOCK_FP8, else ``name``
+    reads_layer: bool  # unquantized, read from the layer at each call (stageable, movable)
+    block_fp8: bool
+    raw_layout: bool  # runs the checkpoint's layout unchanged (what kt-kernel writes back)
+
+
+def native_kernel(native: FusedMoEMethodBase) -> NativeKernel:
+    reads_layer, block_fp8 = native_is_stageable(native), is_block_fp8(native)
+    name = kernel_of(native)
+    experts = UNQUANTIZED if reads_layer else BLOCK_FP8 if block_fp8 else name
+    return NativeKernel(name, experts, reads_layer, block_fp8, runs_raw_layout(native))
 
 
 class GPUExperts:

@@ -1,27 +1,11 @@
 """Per-layer timing of the hybrid forward (KT_METRICS_INTERVAL > 0): CPU experts, GPU
 experts and the time the layer waits for the CPU, so a user sees which side bounds decode.
 
-The MoE layers run in vLLM's engine-core process, while ``/metrics`` is served by the API
-server process from prometheus_client's default registry; vLLM gathers other processes'
-metrics only in its multiprocess mode (``--api-server-count`` > 1, or PROMETHEUS_MULTIPROC_DIR
-set). So the numbers go to a periodic log line always, and to Prometheus counters
-(``kt_hybrid_*_seconds_total{layer=...}``) that show on ``/metrics`` in that mode.
-
-Timing, per layer forward, at three points of the layer's stream — before the submit, after
-the GPU experts, after the sync: the GPU side takes the first interval and the wait for the
-CPU the second. The CPU branch (submit to result) spans both: the CPU experts' time when the
-layer waits for them, an upper bound when they finish under the GPU work. A layer is
-CPU-bound when it waits. On CUDA the points are kernels reading the GPU's clock
-(``device_clock``), so CUDA-graph replays — decode at vLLM's default settings — are timed
-too. On vLLM's CPU build the same three points are read from the host's clock, with one
-difference: a backend's submit may compute (the torch backend) or only hand the work to
-threads that run beside the "GPU" experts (kt-kernel, which then computes in the sync), so
-the time spent inside the submit counts as waiting too. Either way the span is the GPU
-experts plus the wait, as on CUDA, and the wait never exceeds the span. What the CPU build
-cannot time is the GPU experts on a GPU: they run on the same cores as kt-kernel's threads,
-and the report line says so. A reporting thread sums the last interval up, a line per batch
-size (a window of batch-1 decode also holds the prompts' prefill forwards): Python runs in
-no replay, so nothing on the forward path could.
+Three points per layer forward (before the submit, after the GPU experts, after the sync),
+on the GPU's clock under CUDA (``device_clock``: CUDA-graph replays run no Python) and the
+host's on vLLM's CPU build; a reporting thread logs a line per batch size every interval,
+and Prometheus counters carry the totals (on ``/metrics`` only in vLLM's multiprocess
+mode: the layers run in the engine core). docs/design.md, "Metrics", says why each part.
 """
 
 from __future__ import annotations
@@ -36,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kt_plugin.hybrid.staging.plan import SPLIT_PATH, WHOLE_LAYER_PATH
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
@@ -45,14 +30,11 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 MIN_REPORT_PERIOD_S = 0.05  # the reporting thread's shortest sleep, whatever the interval
-# Prefill-sized forwards (and every GPU-prefill forward) are logged one by one, with their path
-# (CPU experts or GPU prefill) and when they were queued: how vLLM split a batch of prompts into
-# steps decides which path each step takes, and no per-layer average shows it. Never inside
-# graph replays (decode).
+# Prefill-sized forwards (and every forward that takes a staging path) are logged one by one,
+# with their path and when they were queued: how vLLM split a batch of prompts into steps
+# decides which path each step takes, and no per-layer average shows it. Never inside graph
+# replays (decode).
 LARGE_FORWARD_TOKENS = 256
-CPU_PATH, GPU_PREFILL_PATH = "CPU-experts", "GPU-prefill"
-# The split's forwards (hybrid/split_path.py): which of them staged anything, its counters say.
-SPLIT_PATH = "split"
 
 
 @dataclass
@@ -159,7 +141,7 @@ class HybridMetrics:
     def large_forward(self, layer_idx: int, tokens: int, path: str) -> None:
         """Log a prefill-sized forward once, at the first hybrid layer, with the time its
         Python ran: when the step was queued, which may be well before it runs."""
-        large = tokens >= LARGE_FORWARD_TOKENS or path in (GPU_PREFILL_PATH, SPLIT_PATH)
+        large = tokens >= LARGE_FORWARD_TOKENS or path in (WHOLE_LAYER_PATH, SPLIT_PATH)
         if large and layer_idx == self.first_layer:
             logger.info(
                 "kt-hybrid: a forward of %d tokens takes the %s path (queued at %.3f s, monotonic clock)",

@@ -2,15 +2,11 @@
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
 vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route ->
-pick a path -> run it, with observers told (``contracts``). The paths, in the order they
-are asked (``paths``): GPU prefill (``gpu_prefill_path``: large batches, every expert on
-the GPU) or, in its place, the split (``split_path``: a part of the CPU experts staged on
-the GPU per forward, the rest on the CPU), and the CPU-experts path (``cpu_path``: submit
-the CPU experts -> run the GPU experts -> sync and add). Observers: the routing recorder,
-the metrics and the timeline (``observers``), and dynamic GPU experts
-(``dynamic_experts``). What the layers of a process share, the layer reaches through its
-context (``contracts.ProcessState``, held by ``process_state``); vLLM internals we rely
-on, in ``vllm_compat``.
+pick a path -> run it, with observers told (``contracts``). The paths (``paths``): the
+staging path its plan chose (``staging``: some or all CPU experts computed on the GPU),
+then the CPU-experts path (``cpu_path``). Observers: ``observers`` and ``dynamic_experts``.
+What the layers of a process share, the layer reaches through its context
+(``contracts.ProcessState``); vLLM internals, through ``vllm_compat``.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from vllm_kt_plugin.hybrid.backend_choice import backend_for
 from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, LayerParts, StageMarks, combined
 from vllm_kt_plugin.hybrid.dynamic_experts import DynamicExperts
 from vllm_kt_plugin.hybrid.gpu_experts import GPUExperts, kernel_of, native_is_stageable
-from vllm_kt_plugin.hybrid.gpu_prefill_path import GPUPrefillPath
 from vllm_kt_plugin.hybrid.loaded_experts import LoadedExperts, rows_in_slot_order
 from vllm_kt_plugin.hybrid.observers import RecordsDecode, RecordsRouting, RecordsTimeline, TimesLayer
 from vllm_kt_plugin.hybrid.paths import build_paths
@@ -232,7 +227,6 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
             make_shadow_native=functools.partial(_native_for_shadow, context.make_native, prefix),
         )
         self.paths = build_paths(self.parts)
-        self.gpu_prefill = next((p for p in self.paths if isinstance(p, GPUPrefillPath)), None)
         self.observers: list[ForwardObserver] = [
             RecordsRouting(context.process.recorder, self.layer_idx, self.placement)
         ]
@@ -319,7 +313,7 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
     ) -> Callable[..., Any]:
         """Checkpoint tensors of GPU experts go to the native loader under their GPU slot;
         those of CPU experts go to the CPU backend and never reach the device (and to the
-        paths that keep CPU experts of their own, e.g. GPU prefill's host copy, in their
+        paths that keep CPU experts of their own, e.g. staging's host copy, in their
         CPU-expert slot)."""
         slots = self.gpu.gpu_slot_of.tolist()
         cpu_slots = self.placement.cpu_slot_of().tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_kt_plugin.hybrid.contracts import NO_MARKS, Forward, ForwardObserver, StageMarks
-from vllm_kt_plugin.hybrid.metrics import CPU_PATH
+from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline

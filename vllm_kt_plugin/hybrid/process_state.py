@@ -1,16 +1,12 @@
 """What the kt-hybrid layers of one process share: ``HybridProcessState``, the
 implementation of ``contracts.ProcessState`` that layers reach through their context.
 
-It holds the layers in decoder order (deferral asks whether the next layer adds deferred
-experts; GPU prefill prefetches the next layer's CPU experts, the split the next split
-layer's predicted part), GPU prefill's staging buffers, the split's probed costs, the
-metrics collector, the routing recorder behind ``vllm-kt profile``, the bench's
-per-forward and decode timelines and the log of dynamic expert swaps. vLLM builds one model per worker
-process, so one object per process is one per model; ``process_state()`` returns it.
-
-It sits above the paths and observers it serves and imports none of them: it knows the
-layers and split paths it keeps only as the contracts' ``HybridLayer`` and
-``SplitNeighbour``.
+It holds the layers in decoder order (for deferral and for staging's prefetch of the next
+layer), the staging buffers and the split's probed costs, the metrics collector, the
+routing recorder behind ``vllm-kt profile``, the bench's per-forward and decode timelines
+and the log of dynamic expert swaps: one per process, so one per model
+(``process_state()``). It imports no path or observer: it knows them as the contracts'
+``HybridLayer`` and ``SplitNeighbour``.
 """
 
 from __future__ import annotations
@@ -23,14 +19,14 @@ import torch
 from vllm_kt_plugin.hybrid.decode_timeline import DecodeTimeline
 from vllm_kt_plugin.hybrid.metrics import HybridMetrics
 from vllm_kt_plugin.hybrid.routing_recorder import RoutingRecorder
-from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+from vllm_kt_plugin.hybrid.staging.buffers import StagingBuffers
 from vllm_kt_plugin.hybrid.swap_log import SwapLog
 from vllm_kt_plugin.hybrid.timeline import Timeline
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.hybrid.contracts import HybridLayer, SplitNeighbour
-    from vllm_kt_plugin.hybrid.host_experts import HostExperts
-    from vllm_kt_plugin.hybrid.split_probe import ProbedCosts
+    from vllm_kt_plugin.hybrid.staging.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging.probe import ProbedCosts
 
 
 class HybridProcessState:
@@ -39,7 +35,7 @@ class HybridProcessState:
 
     def __init__(self) -> None:
         self.layers: list[HybridLayer] = []  # by decoder layer index
-        self.host_experts: list[tuple[int, HostExperts]] = []  # GPU prefill's, by decoder layer index
+        self.host_experts: list[tuple[int, HostExperts]] = []  # staging's, by decoder layer index
         self.split_paths: list[tuple[int, SplitNeighbour]] = []  # by decoder layer index
         self.split_probe: ProbedCosts | None = None  # the split's cost model, probed once per process
         self.recorder = RoutingRecorder()

@@ -1,13 +1,11 @@
 """``KTHybridScheduler``: vLLM's own scheduler, holding new prompts back for a few steps where
 prompts sent together would otherwise pay one whole-layer copy each (``admission`` decides).
 
-Turned on by ``vllm serve ... --quantization kt-hybrid --scheduler-cls
-vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler`` (KT_GPU_PREFILL_GATHER_MS: the wait).
-vLLM's engine core loads the class by name (``SchedulerConfig.get_scheduler_cls``, an
-interface vLLM calls not public) and builds it with the engine's config: what it builds is
-vLLM's ``Scheduler``, or its ``AsyncScheduler`` where vLLM schedules asynchronously, with the
-gate before each step (``vllm_compat.holding_scheduler_class``). The whole-layer threshold
-comes from the layers where they live in the engine core (one GPU), else from the settings.
+Turned on by ``vllm serve ... --scheduler-cls vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler``
+(KT_STAGING_GATHER_MS: the wait). vLLM's engine core loads it by name and builds it with the
+engine's config; what it builds is vLLM's ``Scheduler`` or ``AsyncScheduler`` with the gate
+(``vllm_compat.holding_scheduler_class``). The whole layer's size comes from the layers where
+they live in the engine core (one GPU), else from the settings.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from vllm_kt_plugin.hybrid.moe_method import cuda_graph_batch_sizes
 from vllm_kt_plugin.hybrid.process_state import HybridProcessState, process_state
 from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
 from vllm_kt_plugin.hybrid.vllm_compat import holding_scheduler_class
-from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER, GPU_PREFILL_AUTO_MIN_TOKENS, LOGGER_NAME
+from vllm_kt_plugin.settings.catalogue import GATHERING_SCHEDULER, LOGGER_NAME, WHOLE_LAYER_AUTO_MIN_TOKENS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,19 +53,23 @@ def gate_for(vllm_config: VllmConfig) -> Callable[[WaitingQueues], bool] | None:
         logger.warning("kt-hybrid: %s without --quantization kt-hybrid: vLLM's own scheduling", GATHERING_SCHEDULER)
         return None
     settings = quant.settings
-    if not settings.gpu_prefill_gather_ms:
-        logger.info("kt-hybrid: scheduler: prompts are not held (KT_GPU_PREFILL_GATHER_MS=0): vLLM's own scheduling")
+    if not settings.staging_gather_ms:
+        logger.info("kt-hybrid: scheduler: prompts are not held (KT_STAGING_GATHER_MS=0): vLLM's own scheduling")
         return None
     scheduler = vllm_config.scheduler_config
     graphs = cuda_graph_batch_sizes(vllm_config)
 
     def whole_from() -> int | None:
         seen = layers_seen(process_state())
-        auto = GPU_PREFILL_AUTO_MIN_TOKENS
-        split = settings.gpu_prefill_split
-        return whole_layer_from(settings.gpu_prefill_min_tokens, split, auto, graphs[-1] if graphs else 0, seen)
+        return whole_layer_from(
+            settings.staging_min_tokens,
+            settings.staging_split,
+            WHOLE_LAYER_AUTO_MIN_TOKENS,
+            graphs[-1] if graphs else 0,
+            seen,
+        )
 
-    window_ms = settings.gpu_prefill_gather_ms
+    window_ms = settings.staging_gather_ms
     gate = AdmissionGate(
         window_ms / 1e3,
         scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens,
@@ -76,7 +78,7 @@ def gate_for(vllm_config: VllmConfig) -> Callable[[WaitingQueues], bool] | None:
     )
     logger.info(
         "kt-hybrid: scheduler: while no request runs, waiting prompts that stream the whole layer are held up to %g "
-        "ms after the oldest arrived, for more to join their forward (KT_GPU_PREFILL_GATHER_MS; the whole layer "
+        "ms after the oldest arrived, for more to join their forward (KT_STAGING_GATHER_MS; the whole layer "
         "streams from %s tokens, as known now)",
         window_ms,
         whole_from() or "no",

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 from vllm_kt_plugin.architectures import TORCH, check_architecture, kt_kernel_cannot
 from vllm_kt_plugin.cpu_backends.base import CheckpointFormat
 from vllm_kt_plugin.cpu_backends.registry import backend_class
+from vllm_kt_plugin.hybrid.staging.plan import StagingFacts, plan_staging
 from vllm_kt_plugin.hybrid.vllm_compat import resolve_native_method_name, routed_expert_counts
+from vllm_kt_plugin.planning.gpu_budget import fixed_num_gpu_experts
 from vllm_kt_plugin.planning.layer_plan import check_plan
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
-from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
+from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory, experts_format
 from vllm_kt_plugin.settings.presets import load_preset
 from vllm_kt_plugin.settings.variables import KTSettings, numa_node_count, usable_cores
 
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSettings, type[CPUExperts]]:
     """The settings with KT_METHOD resolved for the checkpoint, and their backend, checked
     against the checkpoint's format (no model config needed yet)."""
+    staging = StagingFacts(settings, experts_format(checkpoint.quant_config), checkpoint.quant_method)
+    plan_staging(staging).check()  # what the settings and the checkpoint's format refuse already
     backend = backend_class(settings.backend)
     settings = backend.resolve_method(settings, checkpoint)
     backend.validate(settings, checkpoint)
@@ -43,14 +47,6 @@ def validated(settings: KTSettings, checkpoint: CheckpointFormat) -> tuple[KTSet
             f"{settings.backend} {settings.method} CPU experts cannot move to the GPU (its slots hold unquantized "
             "experts: the backend must write any expert back in BF16)",
             "0, or KT_METHOD=BF16 with KT_BACKEND=kt_kernel",
-        )
-    if settings.gpu_prefill_fp8_copy and checkpoint.quant_method is not None:
-        raise KTConfigError(
-            "KT_GPU_PREFILL_FP8_COPY",
-            "1",
-            f"the FP8 host copy quantizes BF16/FP16 experts, and this checkpoint's are already quantized "
-            f"({checkpoint.quant_method})",
-            "0 for this checkpoint",
         )
     return settings, backend
 
@@ -82,7 +78,7 @@ def check_model(
             f"a number from 0 to {num_experts}, or auto with KT_GPU_MEMORY_GB set to the GPU size",
         )
     check_plan(settings, config, num_experts)
-    check_gpu_prefill(settings, config, num_experts, has_gpu=platform_has_gpu() if has_gpu is None else has_gpu)
+    check_staging(settings, config, num_experts, has_gpu=platform_has_gpu() if has_gpu is None else has_gpu)
     # Experts kt-kernel cannot compute get the torch backend (hybrid.backend_choice): its
     # checks apply, not kt-kernel's (which would look for kt-kernel's expert files).
     serving = backend_class(TORCH) if kt_kernel_cannot(config) and not given else backend
@@ -90,20 +86,22 @@ def check_model(
     return [warning for warning in [preset_mismatch(settings, config)] if warning]
 
 
-def check_gpu_prefill(settings: KTSettings, config: Mapping[str, Any], num_experts: int, *, has_gpu: bool) -> None:
-    """A fixed KT_GPU_PREFILL_MIN_TOKENS on a checkpoint whose experts GPU prefill cannot
-    stage (``settings.staging``, from the checkpoint's format and this platform; each layer
-    applies the same rule again on the kernel vLLM chose, ``staging_policy``)."""
-    threshold = settings.gpu_prefill_min_tokens
-    if not threshold or (not settings.gpu_experts_auto and settings.num_gpu_experts >= num_experts):
-        return  # auto decides per layer, 0 is off; no CPU experts: nothing to stage
+def check_staging(settings: KTSettings, config: Mapping[str, Any], num_experts: int, *, has_gpu: bool) -> None:
+    """The staging plan for this checkpoint on this platform: a KT_STAGING_MIN_TOKENS set
+    to a number where nothing can be staged is refused (each layer asks the same plan again,
+    for the kernel vLLM chose)."""
+    fixed = fixed_num_gpu_experts(settings, num_experts)  # None: auto, sized to the GPU later
     try:
         memory = estimate_model_memory(config)
     except ModelConfigError:
         return  # the layer checks it
-    refusal = memory.staging_refusal(settings.method or "", device="cuda" if has_gpu else "cpu")
-    if refusal is not None:
-        raise KTConfigError("KT_GPU_PREFILL_MIN_TOKENS", str(threshold), refusal, "0 (off) for this checkpoint")
+    facts = StagingFacts(
+        settings,
+        experts=memory.checkpoint_format,
+        device="cuda" if has_gpu else "cpu",
+        cpu_experts=None if fixed is None else num_experts - fixed.num_gpu_experts,
+    )
+    plan_staging(facts).check()
 
 
 def preset_mismatch(settings: KTSettings, config: Mapping[str, Any]) -> str | None:

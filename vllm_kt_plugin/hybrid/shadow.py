@@ -2,7 +2,7 @@
 state but owns its parameters, sized for a number of experts of our choosing. vLLM's own
 code (the native method's create_weights, the layer's expert weight loader, the native
 post-processing) then builds experts in the layer's runtime format away from the layer:
-GPU prefill's host copy, and the incoming experts that dynamic GPU experts write into
+staging's host copy, and the incoming experts that dynamic GPU experts write into
 GPU slots.
 """
 

@@ -1,31 +1,11 @@
-"""A per-forward timeline of large forwards: where a prefill's time goes, layer by layer
-(copy, GPU compute, CPU, wait), and how vLLM cut the prompts into steps.
+"""A per-forward timeline of large forwards for ``vllm-kt bench``: where a prefill's time goes,
+layer by layer, and how vLLM cut the prompts into steps (a tok/s figure says how long, not
+why: the copy stream, the GPU and kt-kernel's threads run at once).
 
-Why: a prefill's tok/s says how long it took, not why. The staging copy stream, the GPU
-and kt-kernel's threads run at once, and vLLM decides how many prompts share a step; only
-their intervals side by side tell a copy-bound layer from a serialised one, or a prompt
-scheduled alone from one batched with others.
-
-Off by default: a layer forward asks one attribute. ``vllm-kt bench`` turns it on through
-vLLM's ``collective_rpc`` (``vllm_kt_tools.bench.timeline``), runs its prefills, and reads
-the steps back. Only forwards that run Python are seen: captured CUDA-graph batches (decode)
-are not (the metrics' device clock times those).
-
-Points, on the GPU's own timeline (CUDA events: the layer's stream, and the staging buffers'
-copy stream for each copy) or on the host's clock on vLLM's CPU build:
-
-- ``start``: the layer's routed experts begin (routing done, none of their work queued);
-- ``gpu_done``: the GPU side is done (native GPU experts, and staged CPU experts);
-- ``synced``: the CPU experts' result is in (the sync, which waits for the CPU);
-- each copy into a staging buffer: its start and end, rows, target layer, and whether it
-  was a prefetch or a copy on demand.
-
-So per layer: GPU = gpu_done - start, wait = synced - gpu_done, CPU (submit to result: an
-upper bound where the CPU finished under the GPU work) = synced - start, copy = the busy
-time of the copies into that layer; between one layer's ``synced`` and the next one's
-``start`` runs the rest of the model (attention, norms) and any host stall. A step is one
-model forward: it begins at the process's first kt-hybrid layer. Copies are listed with
-the step that issued them (the last layer prefetches the next step's first).
+Off by default (a forward reads one attribute). Per layer: ``start`` (routed), ``gpu_done``,
+``synced``, and every copy into a staging buffer, on CUDA events or the host's clock; so GPU
+= gpu_done - start, wait = synced - gpu_done, CPU = synced - start (an upper bound), copy =
+the copies' busy time. Captured CUDA-graph batches are not seen. docs/benchmarks.md has more.
 """
 
 from __future__ import annotations

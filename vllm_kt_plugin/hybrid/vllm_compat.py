@@ -1,13 +1,11 @@
 """Every place kt-hybrid reaches into vLLM beyond its public interfaces, in one module
 (as ``cpu_backends/kt_kernel/compat.py`` does for kt-kernel).
 
-Each function says which behaviour of vLLM 0.32.0 it relies on. ``TOUCHES`` lists the
-attributes read or written here; ``tests/unit/test_vllm_compat.py`` checks each one on the
-installed vLLM, so that an upgrade that renames one fails there, loudly, and not in the
-middle of a forward. Outside this module the package uses only vLLM's public interfaces,
-the ones on the allow-lists of ``tests/unit/test_layout.py`` (imports) and
-``tests/unit/test_vllm_compat.py`` (attributes of vLLM's objects); both tests fail on any
-other vLLM import or attribute.
+Each function says which behaviour of vLLM 0.32.0 it relies on; ``TOUCHES`` lists the
+attributes it reads or writes, which ``tests/unit/test_vllm_compat.py`` checks on the
+installed vLLM. Outside this module (and the tooling's ``vllm_kt_tools/support/
+vllm_internals.py``) only the public interfaces on the allow-lists of test_layout.py and
+test_vllm_compat.py are used.
 """
 
 from __future__ import annotations
@@ -39,12 +37,12 @@ VLLM_VERSION = "0.32.0"  # the version whose behaviour every touch below was rea
 @dataclass(frozen=True)
 class Touch:
     """One attribute of vLLM that kt-hybrid relies on: ``owner`` (``module`` or
-    ``module:Class``), the attribute, whether it lives on the owner itself or on instances
-    of the class, and what we rely on."""
+    ``module:Class``), the attribute, whether it lives on the owner itself, on instances of
+    the class, or on instances as the class's ``__init__`` sets them, and what we rely on."""
 
     owner: str
     attribute: str
-    on: str  # "owner" or "instance"
+    on: str  # "owner", "instance" or "init"
     relied_on: str
 
 

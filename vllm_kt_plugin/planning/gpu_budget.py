@@ -1,14 +1,10 @@
 """How many experts per MoE layer fit on the GPU: ``KT_NUM_GPU_EXPERTS=auto`` and
-``KT_GPU_EXPERTS_RATIO``.
+``KT_GPU_EXPERTS_RATIO``. vLLM grants itself ``total x gpu_memory_utilization``; the budget
+takes the non-expert weights and the KV-cache reserve (``KT_KV_CACHE_RESERVE_GB``) from it,
+and the staging buffers where the staging plan stages; the rest holds ``n`` experts in each
+MoE layer (per GPU: each weight's 1/tp with tensor parallelism):
 
-vLLM grants itself ``total × gpu_memory_utilization`` of the device. From that the budget
-takes the non-expert weights and a reserve for the KV cache, activations and CUDA graphs
-(``KT_KV_CACHE_RESERVE_GB``); what is left holds ``n`` experts in each of the MoE layers:
-
-    n = floor((total × utilization − reserve − non_expert × 1/tp) / (moe_layers × expert × 1/tp))
-
-clamped to [0, experts per layer]. With tensor parallelism every GPU holds 1/tp of each
-weight, so the per-GPU sizes divide by tp.
+    n = floor((total x utilization - reserve - non_expert / tp) / (moe_layers x expert / tp))
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_kt_plugin.hybrid.staging.plan import OFF, StagingFacts, buffer_bytes, plan_staging
 from vllm_kt_plugin.settings.catalogue import GIB
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.model_memory import ModelMemory
@@ -48,11 +45,11 @@ def fit_gpu_experts(
     memory: ModelMemory,
     kv_cache_reserve_gb: float | None = None,
     tensor_parallel_size: int = 1,
-    gpu_prefill: bool = False,
+    staging: bool = False,
 ) -> GPUExpertBudget:
     """The largest per-layer expert count whose weights fit beside the non-expert weights
-    and the KV-cache reserve (and, with GPU prefill, its two staging buffers of a layer's
-    CPU experts each); pure arithmetic on the figures given."""
+    and the KV-cache reserve (and, with ``staging``, its two buffers of a layer's CPU
+    experts each); pure arithmetic on the figures given."""
     tp = max(1, tensor_parallel_size)
     granted = device_total_bytes * gpu_memory_utilization
     reserve_gb = default_reserve_gb(granted / GIB) if kv_cache_reserve_gb is None else kv_cache_reserve_gb
@@ -62,10 +59,10 @@ def fit_gpu_experts(
     room = granted - reserve - non_expert
     count = 0 if room <= 0 or per_layer_expert <= 0 else min(memory.num_experts, math.floor(room / per_layer_expert))
 
-    def staging(n: int) -> float:
-        return staging_bytes(memory, n, tp) if gpu_prefill else 0.0
+    def buffers(n: int) -> float:
+        return buffer_bytes(memory, n, tp) if staging else 0.0
 
-    while count > 0 and count * per_layer_expert + staging(count) > room:
+    while count > 0 and count * per_layer_expert + buffers(count) > room:
         count -= 1
     explanation = (
         f"{_gb(device_total_bytes)} GB device x {gpu_memory_utilization:g} = {_gb(granted)} GB granted"
@@ -73,7 +70,7 @@ def fit_gpu_experts(
         f" = {_gb(max(room, 0))} GB for experts; one expert in each of {memory.num_moe_layers} MoE layers"
         f" takes {_gb(per_layer_expert)} GB"
         + (f" (per GPU, tp={tp})" if tp > 1 else "")
-        + (f" ({_gb(staging(count))} GB of it for the GPU-prefill staging buffers)" if gpu_prefill else "")
+        + (f" ({_gb(buffers(count))} GB of it for the staging buffers)" if staging else "")
         + f" -> {count} of {memory.num_experts} experts per layer on the GPU"
     )
     if room <= 0:
@@ -81,69 +78,18 @@ def fit_gpu_experts(
     return GPUExpertBudget(count, explanation)
 
 
-# KT_GPU_PREFILL_MIN_TOKENS=auto stays off where its two staging buffers (each a whole
-# layer's CPU experts, all experts at worst) would take more than this share of the
-# granted GPU memory: the GPU experts they displace would slow every decode step.
-AUTO_GPU_PREFILL_MAX_STAGING_SHARE = 0.125
-# ... or where its host copy and kt-kernel's experts would take more than this share of
-# the available RAM.
-AUTO_GPU_PREFILL_MAX_RAM_SHARE = 0.9
-NO_CUDA_DEVICE = "no CUDA device"  # the refusal on vLLM's CPU build, where auto is silent
-
-
-def staging_bytes(memory: ModelMemory, num_gpu_experts: int, tensor_parallel_size: int = 1) -> float:
-    """GPU prefill's two device buffers, each one layer's CPU experts."""
-    return 2 * (memory.num_experts - num_gpu_experts) * memory.expert_bytes / max(1, tensor_parallel_size)
-
-
-def auto_gpu_prefill_refusal(
-    memory: ModelMemory,
-    *,
-    device_total_bytes: int | None,
-    gpu_memory_utilization: float,
-    num_gpu_experts: int,
-    ram_available_bytes: int,
-    kt_method: str,
-    tensor_parallel_size: int = 1,
-    fp8_copy: bool = False,
-) -> str | None:
-    """Why KT_GPU_PREFILL_MIN_TOKENS=auto leaves GPU prefill off for this model and
-    host, or None where it turns it on (``fp8_copy``: KT_GPU_PREFILL_FP8_COPY)."""
-    if device_total_bytes is None:
-        return NO_CUDA_DEVICE
-    refusal = memory.staging_refusal(kt_method, tensor_parallel_size)
-    if refusal is not None:
-        return refusal
-    granted = device_total_bytes * gpu_memory_utilization
-    if not _staging_fits(memory, granted, tensor_parallel_size):
-        staging = staging_bytes(memory, 0, tensor_parallel_size)
-        return (
-            f"its staging buffers (2 layers of experts, {_gb(staging)} GB) would take more than "
-            f"{AUTO_GPU_PREFILL_MAX_STAGING_SHARE:.1%} of the {_gb(granted)} GB granted on the GPU"
-        )
-    ram = memory.gpu_prefill_host_bytes(num_gpu_experts, kt_method, tensor_parallel_size, fp8_copy) + (
-        memory.cpu_expert_bytes(kt_method) or 0
+def stages(settings: KTSettings, memory: ModelMemory, granted_bytes: float, tensor_parallel_size: int) -> bool:
+    """Whether the staging plan stages this model's CPU experts on the GPU being sized (so
+    the budget keeps room for its buffers)."""
+    facts = StagingFacts(
+        settings,
+        experts=memory.checkpoint_format,
+        tensor_parallel_size=tensor_parallel_size,
+        device="cuda",
+        memory=memory,
+        granted_gpu_bytes=granted_bytes,
     )
-    if ram > AUTO_GPU_PREFILL_MAX_RAM_SHARE * ram_available_bytes:
-        return (
-            f"its host copy plus kt-kernel's {kt_method} experts need {_gb(ram)} GB, more than "
-            f"{AUTO_GPU_PREFILL_MAX_RAM_SHARE:.0%} of the {_gb(ram_available_bytes)} GB of RAM available"
-        )
-    return None
-
-
-def wants_staging_reserve(settings: KTSettings, memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
-    """Whether auto's GPU budget keeps room for GPU prefill's staging buffers."""
-    if settings.gpu_prefill_min_tokens == 0 or not memory.stageable(settings.method or "", tp):
-        return False
-    if settings.gpu_prefill_min_tokens is None:  # auto: only where it would turn it on
-        return _staging_fits(memory, granted_bytes, tp)
-    return True
-
-
-def _staging_fits(memory: ModelMemory, granted_bytes: float, tp: int) -> bool:
-    """Whether auto's staging buffers (all experts at worst) stay within their share."""
-    return staging_bytes(memory, 0, tp) <= AUTO_GPU_PREFILL_MAX_STAGING_SHARE * granted_bytes
+    return plan_staging(facts).path != OFF
 
 
 def measured_device_total_bytes() -> int | None:
@@ -210,8 +156,6 @@ def resolve_num_gpu_experts(
         memory=memory,
         kv_cache_reserve_gb=settings.kv_cache_reserve_gb,
         tensor_parallel_size=tensor_parallel_size,
-        gpu_prefill=wants_staging_reserve(
-            settings, memory, device_total_bytes * gpu_memory_utilization, tensor_parallel_size
-        ),
+        staging=stages(settings, memory, device_total_bytes * gpu_memory_utilization, tensor_parallel_size),
     )
     return GPUExpertBudget(budget.num_gpu_experts, f"KT_NUM_GPU_EXPERTS=auto: {budget.explanation}")

@@ -1,8 +1,10 @@
-"""Which experts each MoE layer keeps on the GPU, decided once per model.
+"""Which experts each MoE layer keeps on the GPU, and the model's staging plan, decided
+once per model.
 
 The count comes from KT_NUM_GPU_EXPERTS (a number or ``auto``, sized to the device) or
 KT_GPU_EXPERTS_RATIO; the choice of experts from KT_EXPERT_PLACEMENT. All layers are
-planned together because front-loading spreads one total over them.
+planned together because front-loading spreads one total over them. The staging plan
+(``hybrid.staging.plan``) is the model's, for this device and host; each layer reads it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vllm_kt_plugin.hybrid.staging.plan import StagingFacts, StagingPlan, plan_staging
 from vllm_kt_plugin.planning.gpu_budget import (
-    auto_gpu_prefill_refusal,
     fixed_num_gpu_experts,
     measured_device_capability,
     measured_device_total_bytes,
@@ -24,7 +26,6 @@ from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, ModelMemory, estimate_model_memory
 from vllm_kt_plugin.settings.routing_profile import RoutingProfile, load_routing_profile
-from vllm_kt_plugin.settings.staging import fp8_copy_on
 from vllm_kt_plugin.settings.variables import KTSettings
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -81,8 +82,7 @@ class LayerPlan:
         self.stage_layers = stage_layers
         self.placements: dict[int, ExpertPlacement] | None = None
         self.num_gpu_experts = 0
-        # Why KT_GPU_PREFILL_MIN_TOKENS=auto stays off (None: it may turn on), once planned.
-        self.gpu_prefill_refusal: str | None = "not planned yet"
+        self.staging = StagingPlan(why_off="not planned yet")  # the model's, once planned
 
     @functools.cached_property
     def profile(self) -> RoutingProfile | None:
@@ -120,7 +120,7 @@ class LayerPlan:
             fixed = fixed_num_gpu_experts(self.settings, num_experts)
             assert fixed is not None
             self.num_gpu_experts = fixed.num_gpu_experts
-            self.gpu_prefill_refusal = "the model's sizes are unknown"
+            self.staging = plan_staging(StagingFacts(self.settings, off_because="the model's sizes are unknown"))
             return {}
         device_total_bytes = measured_device_total_bytes()
         utilization = vllm_config.cache_config.gpu_memory_utilization
@@ -133,21 +133,20 @@ class LayerPlan:
             tensor_parallel_size=tp,
         )
         self.num_gpu_experts = budget.num_gpu_experts
-        self.gpu_prefill_refusal = auto_gpu_prefill_refusal(
-            memory,
-            device_total_bytes=device_total_bytes,
-            gpu_memory_utilization=utilization,
-            num_gpu_experts=self.num_gpu_experts,
-            ram_available_bytes=_ram_available_bytes(),
-            kt_method=self.settings.method or "",
-            tensor_parallel_size=tp,
-            fp8_copy=fp8_copy_on(
-                self.settings.gpu_prefill_fp8_copy,
-                self.settings.method or "",
-                quantized=memory.quantized,
+        capability = measured_device_capability()
+        self.staging = plan_staging(
+            StagingFacts(
+                self.settings,
+                experts=memory.checkpoint_format,
+                quantized=memory.checkpoint_format if memory.quantized else None,
                 tensor_parallel_size=tp,
-                capability=measured_device_capability(),
-            ),
+                device="cpu" if device_total_bytes is None else "cuda",
+                capability=capability,
+                memory=memory,
+                granted_gpu_bytes=None if device_total_bytes is None else device_total_bytes * utilization,
+                gpu_experts=self.num_gpu_experts,
+                ram_available_bytes=_ram_available_bytes(),
+            )
         )
         logger.info("kt-hybrid: %s; placement %s", budget.explanation, self.settings.expert_placement)
         return self._place(self.settings.expert_placement, memory.moe_layers, num_experts)

@@ -68,7 +68,7 @@ class ExpertPlacement:
 
     def cpu_slot_of(self) -> torch.Tensor:
         """int32[num_experts]: each CPU expert's index among the CPU experts, -1 for GPU
-        experts (the order of the GPU-prefill host copy)."""
+        experts (the order of staging's host copy)."""
         return _slots(~self.gpu_mask)
 
     def describe(self) -> str:

@@ -1,12 +1,10 @@
 """Every KT_* variable the plugin reads, one entry each: name, default, allowed values,
-meaning, parser and value when unset (``VARIABLES``).
+meaning, parser, value when unset and former names (``VARIABLES``).
 
 The bottom of the package, like vLLM's ``vllm/envs.py``: it imports nothing else from
-``vllm_kt_plugin``, so every other module can read it. ``KTSettings.from_env``
-(``variables``) parses every entry with its parser, the settings document
-(docs/settings.md) is generated from the entries' texts, and the error type takes its
-``allowed`` text from here. Checks between variables, and against the model or host,
-live above (``variables``, ``presets``, ``loader``).
+``vllm_kt_plugin``. ``KTSettings.from_env`` parses every entry with its parser, and
+docs/settings.md is generated from the entries' texts. A variable set to ``auto`` parses
+to ``AUTO`` whatever it sets; checks between variables live above.
 """
 
 from __future__ import annotations
@@ -32,15 +30,15 @@ RESERVED_CORES = 2
 # KT_VLLM_CORES: where vLLM's threads in kt-kernel's process may run (cpu_backends/kt_kernel/cores.py)
 VLLM_CORES = ("auto", "shared", "free")
 
-# KT_GPU_PREFILL_MIN_TOKENS=auto where the split cannot run (tensor parallelism: the host
-# copy holds each rank's shard): the token count from which one layer's whole-layer GPU
-# prefill beat its CPU path in `vllm-kt bench`'s layer timing on the H200 host (AMXINT4).
-GPU_PREFILL_AUTO_MIN_TOKENS = 2048
+# KT_STAGING_MIN_TOKENS=auto where the split cannot run (tensor parallelism: the host copy
+# holds each rank's shard): from this size the whole-layer stream beat the CPU path in
+# `vllm-kt bench`'s layer timing on the H200 host (docs/design.md, "Staging").
+WHOLE_LAYER_AUTO_MIN_TOKENS = 2048
 
-# KT_GPU_PREFILL_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
+# KT_STAGING_GATHER_MS, the scheduler's wait for more prompts to join a forward that streams
 # the whole layer (~390 ms on the H100 whatever its size, docs/split.md): a lone prompt's first
 # token is late by at most this. The class vLLM loads by name for it (hybrid/scheduler.py).
-GPU_PREFILL_GATHER_MS = 30.0
+STAGING_GATHER_MS = 30.0
 GATHERING_SCHEDULER = "vllm_kt_plugin.hybrid.scheduler.KTHybridScheduler"
 
 # kt-kernel 0.7.2's inference methods (kt_kernel.experts.INFERENCE_METHODS; a test keeps
@@ -62,14 +60,10 @@ KT_METHODS = (
     "MOE_INT8",
 )
 
-# KT_METHOD=auto (as the parser upper-cases it): the backend picks the method.
-AUTO_METHOD = "AUTO"
 
-# kt-kernel methods whose experts kt-kernel writes back in the layout of vLLM's Triton MoE
-# kernels (NativeMoEWrapper.submit_write_weight_scale_to_buffer), with the checkpoint format
-# they are that layout of: BF16 of unquantized checkpoints, FP8 (with its 128 x 128 block
-# scales) of block-FP8 ones. GPU prefill stages them from kt-kernel's own copy, with no
-# second copy in RAM.
+# kt-kernel methods that write their experts back in the layout of vLLM's Triton MoE kernels
+# (NativeMoEWrapper.submit_write_weight_scale_to_buffer), with the checkpoint format that
+# layout is: staging then needs no second copy of those experts in RAM.
 UNQUANTIZED, BLOCK_FP8 = "unquantized", "block-FP8"
 KT_GPU_LAYOUT_WRITERS = {"BF16": UNQUANTIZED, "FP8": BLOCK_FP8}
 
@@ -115,12 +109,19 @@ def default_cache_dir() -> Path:
 # the KTConfigError line that names the variable, its value and what the catalogue allows.
 
 
-class _Auto:
+class Auto:
+    """The one ``auto`` value (compare with ``is``)."""
+
     def __repr__(self) -> str:
         return "AUTO"
 
+    def __reduce__(self) -> str:
+        # vLLM pickles the settings into its workers: unpickled, AUTO is still this module's AUTO
+        return "AUTO"
 
-AUTO = _Auto()  # the value of a variable set to ``auto``
+
+AUTO = Auto()  # the value of every variable set to ``auto``, until what it decides is known
+AUTO_METHOD = AUTO  # KT_METHOD=auto: the backend picks the method
 
 
 def integer(minimum: int, *, auto: bool = False) -> Callable[[str], Any]:
@@ -189,8 +190,9 @@ def text(raw: str) -> str:
     return raw
 
 
-def upper(raw: str) -> str:
-    return raw.upper()
+def method_name(raw: str) -> Any:
+    """``auto`` (AUTO), or a method name, upper-cased."""
+    return AUTO if raw.lower() == "auto" else raw.upper()
 
 
 def one_of(choices: tuple[str, ...], reason: str) -> Callable[[str], str]:
@@ -240,8 +242,9 @@ def absolute_path(raw: str) -> str:
 class Variable:
     """One KT_* variable: its name; ``default``, ``allowed`` and ``help``, the texts of the
     settings document (docs/settings.md) and of error messages; ``parse``, the parser of
-    a set value; ``unset``, its value when unset (a callable is called each time); and
-    ``field``, the KTSettings field it sets (None: read elsewhere, e.g. KT_CONFIG)."""
+    a set value; ``unset``, its value when unset (a callable is called each time);
+    ``field``, the KTSettings field it sets (None: read elsewhere, e.g. KT_CONFIG); and
+    ``old_names``, names it had before, still read (with a notice naming this one)."""
 
     name: str
     default: str
@@ -250,6 +253,7 @@ class Variable:
     parse: Callable[[str], Any] = text
     unset: Any = None
     field: str | None = None
+    old_names: tuple[str, ...] = ()
 
     def unset_value(self) -> Any:
         return self.unset() if callable(self.unset) else self.unset
@@ -272,7 +276,7 @@ VARIABLES: tuple[Variable, ...] = (
         f"a kt-kernel inference method ({', '.join(KT_METHODS)}), or auto (the fastest measured on this CPU's "
         "kt-kernel variant that these weights allow); torch backend: BF16",
         "how the CPU experts are stored and computed",
-        upper,
+        method_name,
         None,
         "method",
     ),
@@ -302,7 +306,7 @@ VARIABLES: tuple[Variable, ...] = (
         "experts per MoE layer kept on the GPU (which ones: KT_EXPERT_PLACEMENT)",
         integer(0, auto=True),
         0,
-        "num_gpu_experts",  # AUTO: gpu_experts_auto, and 0 until resolved
+        "num_gpu_experts",
     ),
     Variable(
         "KT_GPU_EXPERTS_RATIO",
@@ -412,49 +416,54 @@ VARIABLES: tuple[Variable, ...] = (
         "max_deferred_experts_per_token",
     ),
     Variable(
-        "KT_GPU_PREFILL_MIN_TOKENS",
-        "auto: under CUDA, every forward above the largest CUDA-graph batch is split by a cost model (probed at "
-        f"start-up) between the CPU and the GPU ({GPU_PREFILL_AUTO_MIN_TOKENS}, whole layer, with tensor parallelism), "
-        "where the CPU experts can be staged (unquantized on vLLM's Triton kernels, or block-FP8 with KT_METHOD=FP8) "
-        "and the staging fits; else off",
+        "KT_STAGING_MIN_TOKENS",
+        "auto: under CUDA, each forward above the largest CUDA-graph batch takes the CPU path, the split or the "
+        "whole layer, as a cost model probed at start-up predicts fastest (with tensor parallelism: the whole layer "
+        f"from {WHOLE_LAYER_AUTO_MIN_TOKENS} tokens), where the CPU experts can be staged (unquantized on vLLM's "
+        "Triton kernels, or block-FP8 with KT_METHOD=FP8) and the staging fits; else off",
         "auto, or an integer >= 0 (0 = off)",
-        "an integer N: forward passes with at least N tokens compute every expert on the GPU, the CPU experts' "
-        "weights streamed in layer by layer (docs/split.md)",
+        "from how many tokens a forward stages CPU experts on the GPU; an integer N: forwards of at least N tokens "
+        "stage every CPU expert (the whole layer, streamed in layer by layer; docs/split.md)",
         integer(0, auto=True),
-        None,  # auto (None in KTSettings): decided per model and host by planning
-        "gpu_prefill_min_tokens",
+        AUTO,
+        "staging_min_tokens",
+        ("KT_GPU_PREFILL_MIN_TOKENS",),
     ),
     Variable(
-        "KT_GPU_PREFILL_SPLIT",
-        "auto (the cost model under KT_GPU_PREFILL_MIN_TOKENS=auto; the whole layer under a number)",
+        "KT_STAGING_SPLIT",
+        "auto (the cost model under KT_STAGING_MIN_TOKENS=auto; the whole layer under a number)",
         "auto, or a number strictly between 0 and 1",
-        "a share: forwards that take GPU prefill stage that share of their picked CPU experts (most-picked first) "
+        "a share: forwards that stage CPU experts stage that share of their picked CPU experts (most-picked first) "
         "on the GPU and leave the rest to the CPU; for tests and measurements (docs/split.md)",
         share,
-        None,  # auto
-        "gpu_prefill_split",
+        AUTO,
+        "staging_split",
+        ("KT_GPU_PREFILL_SPLIT",),
     ),
     Variable(
-        "KT_GPU_PREFILL_FP8_COPY",
+        "KT_STAGING_FP8_COPY",
         "auto: on with AMXINT4 CPU experts of a BF16/FP16 checkpoint on a GPU with FP8 (compute capability "
         ">= 8.9), one tensor-parallel rank (its drift is within AMXINT4's own); else off (docs/split.md)",
-        "auto, 0 or 1; 1 needs GPU prefill on and a BF16/FP16 checkpoint on one tensor-parallel rank",
-        "1: GPU prefill keeps the CPU experts' host copy in block FP8 (128 x 128 blocks, float32 scales) instead of "
-        "the checkpoint's BF16: half the RAM and half the bytes over PCIe; the GPU computes those experts in FP8",
+        "auto, 0 or 1; 1 needs staging on and a BF16/FP16 checkpoint on one tensor-parallel rank",
+        "1: the host copy of the CPU experts that staging streams to the GPU is block FP8 (128 x 128 blocks, "
+        "float32 scales) instead of the checkpoint's BF16: half the RAM and half the bytes over PCIe; the GPU "
+        "computes those experts in FP8",
         auto_flag,
         AUTO,
-        "gpu_prefill_fp8_copy",
+        "staging_fp8_copy",
+        ("KT_GPU_PREFILL_FP8_COPY",),
     ),
     Variable(
-        "KT_GPU_PREFILL_GATHER_MS",
-        f"{GPU_PREFILL_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
-        "a number of milliseconds from 0 to 10000 (0 = off); not above 0 with KT_GPU_PREFILL_MIN_TOKENS=0",
+        "KT_STAGING_GATHER_MS",
+        f"{STAGING_GATHER_MS:g}, with kt-hybrid's scheduler only (--scheduler-cls {GATHERING_SCHEDULER})",
+        "a number of milliseconds from 0 to 10000 (0 = off); not above 0 with KT_STAGING_MIN_TOKENS=0",
         "while no request runs, kt-hybrid's scheduler holds waiting prompts large enough to stream the whole layer "
         "up to N ms after the oldest arrived, so that prompts sent together share one forward and its one copy of "
         "the CPU experts (docs/split.md)",
         number(0.0, 10000.0),
-        GPU_PREFILL_GATHER_MS,
-        "gpu_prefill_gather_ms",
+        STAGING_GATHER_MS,
+        "staging_gather_ms",
+        ("KT_GPU_PREFILL_GATHER_MS",),
     ),
     Variable(
         "KT_DYNAMIC_GPU_EXPERTS",
@@ -476,5 +485,6 @@ VARIABLES: tuple[Variable, ...] = (
         "metrics_interval_s",
     ),
 )
-KNOWN_VARIABLES = frozenset(v.name for v in VARIABLES)
 BY_NAME = {v.name: v for v in VARIABLES}
+RENAMED = {old: v.name for v in VARIABLES for old in v.old_names}  # a former name -> the variable's name now
+KNOWN_VARIABLES = frozenset(BY_NAME) | frozenset(RENAMED)

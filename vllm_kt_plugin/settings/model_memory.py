@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_kt_plugin.settings.catalogue import BLOCK_FP8, KT_GPU_LAYOUT_WRITERS, UNQUANTIZED
-from vllm_kt_plugin.settings.staging import staging_refusal
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
@@ -78,37 +77,8 @@ class ModelMemory:
 
     def written_back(self, kt_method: str) -> bool:
         """Whether kt-kernel writes this checkpoint's experts back in the GPU layout with
-        ``kt_method`` (``KT_GPU_LAYOUT_WRITERS``): GPU prefill then keeps no host copy."""
+        ``kt_method`` (``KT_GPU_LAYOUT_WRITERS``): staging then keeps no host copy."""
         return KT_GPU_LAYOUT_WRITERS.get(kt_method.upper()) == self.checkpoint_format
-
-    def staging_refusal(self, kt_method: str, tensor_parallel_size: int = 1, device: str | None = None) -> str | None:
-        """Why GPU prefill cannot stage this checkpoint's CPU experts with ``kt_method`` on
-        ``device`` where given (``settings.staging``: the rule each layer applies too), or None."""
-        return staging_refusal(self.checkpoint_format, kt_method, tensor_parallel_size, device=device)
-
-    def stageable(self, kt_method: str, tensor_parallel_size: int = 1) -> bool:
-        return self.staging_refusal(kt_method, tensor_parallel_size) is None
-
-    def gpu_prefill_host_bytes(
-        self, gpu_experts_per_layer: int, kt_method: str, tensor_parallel_size: int = 1, fp8_copy: bool = False
-    ) -> int:
-        """RAM of GPU prefill's host copy: every layer's CPU experts in the checkpoint's
-        format (``fp8_copy``, KT_GPU_PREFILL_FP8_COPY: in block FP8); where kt-kernel writes
-        them back, two pinned buffers of one layer's CPU experts instead; none where they
-        cannot be staged."""
-        if not self.stageable(kt_method, tensor_parallel_size):
-            return 0
-        cpu_experts = self.num_experts - gpu_experts_per_layer
-        if fp8_copy and not self.quantized:
-            return cpu_experts * self.num_moe_layers * self.fp8_expert_bytes
-        layers = 2 if self.written_back(kt_method) else self.num_moe_layers
-        return cpu_experts * layers * self.expert_bytes
-
-    @property
-    def fp8_expert_bytes(self) -> int:
-        """One expert in block FP8 (KT_GPU_PREFILL_FP8_COPY): a byte a weight, plus a float32
-        scale per 128 x 128 block (partial blocks rounded up: an upper bound)."""
-        return self.expert_params + 4 * (-(-self.expert_params // (128 * 128)) + 3)
 
     def cpu_expert_bytes(self, kt_method: str) -> int | None:
         """RAM kt-kernel needs for the experts: it loads every expert of each layer (the
@@ -264,5 +234,14 @@ def estimate_model_memory(config: Mapping[str, Any]) -> ModelMemory:
         expert_bytes=int(expert_params * per_expert),
         non_expert_bytes=int(linear_params * per_linear + plain_params * per_plain),
         quantized=bool(quant),
-        block_fp8=str(quant.get("quant_method", "")).lower() == "fp8" and bool(quant.get("weight_block_size")),
+        block_fp8=experts_format(quant) == BLOCK_FP8,
     )
+
+
+def experts_format(quant_config: Mapping[str, Any] | None) -> str:
+    """The routed experts' format as staging names it, from the checkpoint's
+    ``quantization_config``: UNQUANTIZED, BLOCK_FP8 (fp8 with block scales), or "quantized"."""
+    if not quant_config:
+        return UNQUANTIZED
+    block_fp8 = str(quant_config.get("quant_method", "")).lower() == "fp8" and quant_config.get("weight_block_size")
+    return BLOCK_FP8 if block_fp8 else "quantized"

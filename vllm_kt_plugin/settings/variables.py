@@ -3,7 +3,8 @@
 Each value is checked once, against the catalogue's rules, with one ``KTConfigError``
 line per mistake, before any weight is loaded. Checks that need the model (number of
 experts, top-k) or vLLM's scheduler budget run as soon as those are known, still before
-weights. Presets and the routing profile are composed on top by ``settings.loader``.
+weights; how a layer stages its CPU experts is checked by ``hybrid.staging.plan``.
+Presets and the routing profile are composed on top by ``settings.loader``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vllm_kt_plugin.settings.catalogue import AUTO, BY_NAME, LOGGER_NAME, RESERVED_CORES, VARIABLES
+from vllm_kt_plugin.settings.catalogue import AUTO, BY_NAME, LOGGER_NAME, RESERVED_CORES, VARIABLES, Auto
 from vllm_kt_plugin.settings.errors import KTConfigError
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -112,11 +113,32 @@ def check_threadpool_count(pools: int, threads: int, numa_nodes: int) -> None:
         raise KTConfigError("KT_THREADPOOL_COUNT", str(pools), f"only {threads} CPU thread(s) (KT_CPUINFER)")
 
 
-def parse_variable(env: Mapping[str, str], name: str) -> Any:
-    """Variable ``name`` of ``env`` through its catalogue parser: its value, or the
-    catalogue's value when unset (or empty); a bad value is one KTConfigError line."""
-    variable = BY_NAME[name]
+_NOTICED: set[str] = set()  # former names whose notice this process gave
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    """The text of variable ``name`` in ``env``, or of a former name of it (saying once
+    which name it has now); None where neither is set."""
     raw = env.get(name)
+    for old in BY_NAME[name].old_names:
+        given = env.get(old)
+        if given is None or given.strip() == "":
+            continue
+        if raw is not None and raw.strip() != "" and raw.strip() != given.strip():
+            raise KTConfigError(name, raw, f"its former name {old} is set too, to {given!r}", "one of the two")
+        if old not in _NOTICED:
+            _NOTICED.add(old)
+            logger.warning("kt-hybrid: %s is now called %s; the old name still works", old, name)
+        raw = given if raw is None or raw.strip() == "" else raw
+    return raw
+
+
+def parse_variable(env: Mapping[str, str], name: str) -> Any:
+    """Variable ``name`` of ``env`` (or its former name) through its catalogue parser: its
+    value, or the catalogue's value when unset (or empty); a bad value is one KTConfigError
+    line."""
+    variable = BY_NAME[name]
+    raw = _raw(env, name)
     if raw is None or raw.strip() == "":
         return variable.unset_value()
     try:
@@ -133,14 +155,15 @@ def _unset(name: str) -> Any:
 
 @dataclass(frozen=True)
 class KTSettings:
-    """Validated KT_* settings. ``None`` means "use the default that depends on the
-    model or on vLLM", resolved by the ``resolve_*`` helpers once that is known."""
+    """Validated KT_* settings. A variable set to ``auto`` is ``AUTO`` here, until what it
+    decides is known (the method: when the backend is picked; the rest per model and layer);
+    ``None`` means "unset: the default that depends on the model or on vLLM"."""
 
     backend: str = _unset("KT_BACKEND")
-    method: str | None = _unset("KT_METHOD")  # AUTO until the backend picks one (auto_method then says so)
-    auto_method: bool = False  # method was picked by KT_METHOD=auto
+    method: str | Auto | None = _unset("KT_METHOD")
+    auto_method: bool = False  # the method was picked by KT_METHOD=auto (for messages)
     weight_path: str | None = _unset("KT_WEIGHT_PATH")
-    num_gpu_experts: int = _unset("KT_NUM_GPU_EXPERTS")
+    num_gpu_experts: int | Auto = _unset("KT_NUM_GPU_EXPERTS")  # AUTO: fit the GPU (planning)
     cpuinfer_threads: int = 1
     requested_threads: int | None = _unset("KT_CPUINFER")  # as given; None: divided from the usable cores
     threadpool_count: int = _unset("KT_THREADPOOL_COUNT")
@@ -148,7 +171,6 @@ class KTSettings:
     chunked_prefill_size: int | None = _unset("KT_CHUNKED_PREFILL_SIZE")
     max_deferred_experts_per_token: int = _unset("KT_MAX_DEFERRED_EXPERTS_PER_TOKEN")
     cache_dir: str = _unset("KT_CACHE_DIR")
-    gpu_experts_auto: bool = False  # KT_NUM_GPU_EXPERTS=auto; num_gpu_experts is then 0 until resolved
     gpu_experts_ratio: float | None = _unset("KT_GPU_EXPERTS_RATIO")
     kv_cache_reserve_gb: float | None = _unset("KT_KV_CACHE_RESERVE_GB")
     gpu_memory_gb: float | None = _unset("KT_GPU_MEMORY_GB")
@@ -156,15 +178,19 @@ class KTSettings:
     expert_profile: str | None = _unset("KT_EXPERT_PROFILE")
     expert_placement_seed: int = _unset("KT_EXPERT_PLACEMENT_SEED")
     metrics_interval_s: float = _unset("KT_METRICS_INTERVAL")
-    gpu_prefill_min_tokens: int | None = _unset("KT_GPU_PREFILL_MIN_TOKENS")  # None: auto; 0: off
-    gpu_prefill_split: float | None = _unset("KT_GPU_PREFILL_SPLIT")  # None: auto; a share: forced split
-    gpu_prefill_fp8_copy: bool | None = None  # GPU prefill's host copy in block FP8; None: auto
-    gpu_prefill_gather_ms: float = _unset("KT_GPU_PREFILL_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
+    staging_min_tokens: int | Auto = _unset("KT_STAGING_MIN_TOKENS")  # 0: off
+    staging_split: float | Auto = _unset("KT_STAGING_SPLIT")  # a share: the split forced
+    staging_fp8_copy: bool | Auto = _unset("KT_STAGING_FP8_COPY")
+    staging_gather_ms: float = _unset("KT_STAGING_GATHER_MS")  # kt-hybrid's scheduler's wait; 0: off
     dynamic_gpu_experts: int = _unset("KT_DYNAMIC_GPU_EXPERTS")  # every N-th forward outside graphs; 0: off
     host_share: HostShare = ALONE
     numa_nodes: tuple[int, ...] | None = None  # of this process's pools; None: kt-kernel's default
     preset: str | None = None  # the KT_CONFIG preset file applied, for the log
     given: tuple[tuple[str, str], ...] = ()  # the KT_* variables parsed, as set where vllm serve started
+
+    @property
+    def gpu_experts_auto(self) -> bool:
+        return self.num_gpu_experts is AUTO
 
     @classmethod
     def from_env(
@@ -179,44 +205,21 @@ class KTSettings:
         the host's kt-kernel processes, among which the default threads are divided."""
         env = os.environ if env is None else env
         values = {v.field: parse_variable(env, v.name) for v in VARIABLES if v.field is not None}
-        gpu_auto = values["num_gpu_experts"] is AUTO
-        if gpu_auto:
-            values["num_gpu_experts"] = 0  # resolved for the device by planning
-        if values["gpu_prefill_min_tokens"] is AUTO:
-            values["gpu_prefill_min_tokens"] = None  # decided per model and host by planning
         if values["gpu_experts_ratio"] is not None and (env.get("KT_NUM_GPU_EXPERTS") or "").strip():
             raise KTConfigError(
                 "KT_GPU_EXPERTS_RATIO", env["KT_GPU_EXPERTS_RATIO"], "KT_NUM_GPU_EXPERTS is set too; set only one"
             )
         if values["expert_placement"] == "frequency" and values["expert_profile"] is None:
             raise KTConfigError("KT_EXPERT_PLACEMENT", "frequency", "KT_EXPERT_PROFILE is unset")
-        dynamic, prefill = values["dynamic_gpu_experts"], values["gpu_prefill_min_tokens"]
-        if dynamic and prefill:
+        gather = (_raw(env, "KT_STAGING_GATHER_MS") or "").strip()
+        if values["staging_min_tokens"] == 0 and values["staging_gather_ms"] and gather:
             raise KTConfigError(
-                "KT_DYNAMIC_GPU_EXPERTS",
-                env["KT_DYNAMIC_GPU_EXPERTS"],
-                f"KT_GPU_PREFILL_MIN_TOKENS={prefill} is set too: GPU prefill stages a fixed set of CPU experts",
-                "0, or KT_GPU_PREFILL_MIN_TOKENS unset or 0 (auto turns GPU prefill off with dynamic experts)",
+                "KT_STAGING_GATHER_MS",
+                gather,
+                "KT_STAGING_MIN_TOKENS=0 turns staging off, so no forward streams the whole layer",
+                "0 (or unset) with staging off",
             )
-        if values["gpu_prefill_split"] is AUTO:
-            values["gpu_prefill_split"] = None  # the cost model under auto, the whole layer under a number
-        if values["gpu_prefill_fp8_copy"] is AUTO:
-            values["gpu_prefill_fp8_copy"] = None  # per layer: its method, checkpoint and GPU (settings.staging)
-        if values["gpu_prefill_fp8_copy"] and prefill == 0:
-            raise KTConfigError(
-                "KT_GPU_PREFILL_FP8_COPY",
-                "1",
-                "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so there is no copy",
-                "0 (or unset) with GPU prefill off; with KT_GPU_PREFILL_MIN_TOKENS auto or a number, the FP8 copy",
-            )
-        if prefill == 0 and values["gpu_prefill_gather_ms"] and (env.get("KT_GPU_PREFILL_GATHER_MS") or "").strip():
-            raise KTConfigError(
-                "KT_GPU_PREFILL_GATHER_MS",
-                env["KT_GPU_PREFILL_GATHER_MS"],
-                "KT_GPU_PREFILL_MIN_TOKENS=0 turns GPU prefill off, so no forward streams the whole layer",
-                "0 (or unset) with GPU prefill off",
-            )
-        return cls(**values, gpu_experts_auto=gpu_auto)._shared(share, cores=cores, numa_nodes=numa_nodes)
+        return cls(**values)._shared(share, cores=cores, numa_nodes=numa_nodes)
 
     def for_host(self, share: HostShare, *, cores: int | None = None, numa_nodes: int | None = None) -> KTSettings:
         """These settings in one of this host's ``share.ranks`` kt-kernel processes: vLLM
@@ -254,7 +257,7 @@ class KTSettings:
                 "this model's config declares no routed experts",
                 "a Mixture-of-Experts model",
             )
-        if self.num_gpu_experts > num_experts:
+        if not self.gpu_experts_auto and self.num_gpu_experts > num_experts:  # type: ignore[operator]
             raise KTConfigError(
                 "KT_NUM_GPU_EXPERTS",
                 str(self.num_gpu_experts),

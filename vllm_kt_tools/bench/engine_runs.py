@@ -49,16 +49,16 @@ class RunSpec:
         return f"{self.system}-{self.method}{eager}{variant}".lower()
 
 
-PREFILL_OFF = ("prefill-off", {"KT_GPU_PREFILL_MIN_TOKENS": "0"})  # --prefill-off-check
+PREFILL_OFF = ("prefill-off", {"KT_STAGING_MIN_TOKENS": "0"})  # --prefill-off-check
 GATHER = "gather"  # --gather-check: kt-hybrid's scheduler (--scheduler-cls), at a window or the default
 
 
 def gather_runs(first: dict[str, Any], windows: tuple[float | None, ...]) -> list[RunSpec]:
     """The first kt-hybrid run again behind kt-hybrid's scheduler, once per window
-    (KT_GPU_PREFILL_GATHER_MS; None: the plugin's default), named ``gather`` or ``gather-30ms``."""
+    (KT_STAGING_GATHER_MS; None: the plugin's default), named ``gather`` or ``gather-30ms``."""
     runs = []
     for window in windows:
-        env = dict(first["env"]) if window is None else {**first["env"], "KT_GPU_PREFILL_GATHER_MS": f"{window:g}"}
+        env = dict(first["env"]) if window is None else {**first["env"], "KT_STAGING_GATHER_MS": f"{window:g}"}
         engine_args = {**first["engine_args"], "scheduler_cls": GATHERING_SCHEDULER}
         name = GATHER if window is None else f"{GATHER}-{window:g}ms"
         runs.append(RunSpec(**{**first, "env": env, "engine_args": engine_args, "variant": name}))

@@ -82,11 +82,12 @@ def host_info(kt_threads: int | None = None) -> dict[str, Any]:
 
         info["vllm"] = vllm.__version__
         from vllm_kt_plugin.cpu_backends.kt_kernel.compat import prepare_kt_kernel  # imports torch: inside the try
+        from vllm_kt_tools.support.vllm_internals import cpu_has_amx_tiles
 
         kt_kernel = prepare_kt_kernel()
         info["kt_kernel"] = getattr(kt_kernel, "__version__", "unknown")
         info["kt_cpu_variant"] = kt_kernel.__cpu_variant__
-        info["cpu_has_amx"] = bool(torch.cpu._is_amx_tile_supported())
+        info["cpu_has_amx"] = cpu_has_amx_tiles()
     except Exception as exc:  # the benchmark still runs; the JSON says what is unknown
         info["probe_error"] = repr(exc)
     if kt_threads:

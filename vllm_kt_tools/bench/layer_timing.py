@@ -3,11 +3,11 @@ CUDA, timed against bare kt-kernel (same wrapper, same tokens) and the GPU exper
 ``plugin_overhead`` = hybrid / bare kt-kernel - 1, ``overlap_efficiency`` = hybrid /
 max(bare kt-kernel, GPU experts).
 
-For GPU prefill (KT_GPU_PREFILL_MIN_TOKENS) it times, at prefill sizes, the layer's CPU
-path against its GPU path: the copy of its CPU experts into the staging buffer and their
-compute there. With the next layer's copy overlapping this layer's compute, a layer costs
-about max(copy, compute); ``gpu_prefill_break_even_tokens`` is the smallest size timed
-where that beats the CPU path."""
+For staging (KT_STAGING_MIN_TOKENS) it times, at prefill sizes, the layer's CPU path
+against its whole-layer path: the copy of its CPU experts into the staging buffer and
+their compute there. With the next layer's copy overlapping this layer's compute, a layer
+costs about max(copy, compute); ``gpu_prefill_break_even_tokens`` (the results' key since
+the first sitting) is the smallest size timed where that beats the CPU path."""
 
 from __future__ import annotations
 
@@ -30,21 +30,22 @@ def layer_benchmark(
     # neither torch nor vLLM; only the child process runs this function.
     import torch
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.v1.worker.workspace import init_workspace_manager
 
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
+    from vllm_kt_plugin.hybrid.staging.build import staging_path
     from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.support.vllm_internals import forward_context, init_workspace, routed_experts
 
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
     vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True))
     vllm_config.load_config.load_format = "dummy"
     results: dict[str, Any] = {"tokens": {}}
     with vllm_world(vllm_config, backend="nccl"):
-        init_workspace_manager(torch.device("cuda"))  # the modular MoE kernels' scratch buffers
+        init_workspace(torch.device("cuda"))  # the modular MoE kernels' scratch buffers
         quant = KTHybridConfig(settings=load_settings({**os.environ, **env}))
         with torch.device("cuda"):
             runner = build_moe(quant, sizes.num_experts, sizes.top_k, sizes.hidden, sizes.expert_inter, layer_idx=0)
-        layer = runner.routed_experts
+        layer = routed_experts(runner)
         method = layer.quant_method
         for param in layer.parameters():
             param.data.uniform_(-1e-3, 1e-3)
@@ -65,20 +66,18 @@ def layer_benchmark(
             return start.elapsed_time(end) / repeats
 
         gen = torch.Generator(device="cuda").manual_seed(0)
-        from vllm.forward_context import set_forward_context
-
-        gpu_prefill = method.gpu_prefill  # the GPU-prefill path, None where it is off
-        prefill_from = gpu_prefill.min_tokens if gpu_prefill is not None else 0
-        if gpu_prefill is not None:
-            gpu_prefill.min_tokens = 2**31  # the decode timings take the CPU path
-        with set_forward_context(None, vllm_config):
+        whole = staging_path(method.paths)  # the whole-layer path, None where staging is off
+        prefill_from = whole.min_tokens if whole is not None else 0
+        if whole is not None:
+            whole.min_tokens = 2**31  # the decode timings take the CPU path
+        with forward_context(vllm_config):
             results["tokens"] = {str(n): _time_layer(method, layer, cpu, n, sizes, gen, time_ms) for n in tokens}
-            if gpu_prefill is not None:
-                gpu_prefill.min_tokens = prefill_from
-            if prefill_tokens and gpu_prefill is not None and gpu_prefill.host is not None:
-                prefill = {str(n): _time_prefill(method, layer, n, sizes, gen, time_ms) for n in prefill_tokens}
-                results["gpu_prefill_staged_gib_per_layer"] = round(gpu_prefill.host.staged_nbytes / 2**30, 3)
-                results["gpu_prefill_written_by_cpu_backend"] = not gpu_prefill.host.copies  # copy_ms includes it
+            if whole is not None:
+                whole.min_tokens = prefill_from
+            if prefill_tokens and whole is not None and whole.host is not None:
+                prefill = {str(n): _time_prefill(method, whole, layer, n, sizes, gen, time_ms) for n in prefill_tokens}
+                results["gpu_prefill_staged_gib_per_layer"] = round(whole.host.staged_nbytes / 2**30, 3)
+                results["gpu_prefill_written_by_cpu_backend"] = not whole.host.copies  # copy_ms includes it
                 results["gpu_prefill"] = prefill
                 results["gpu_prefill_break_even_tokens"] = next(
                     (int(n) for n, t in prefill.items() if t["pipelined_ms"] < t["cpu_path_ms"]), None
@@ -129,11 +128,10 @@ def random_routing(n: int, num_experts: int, top_k: int, gen: Any, device: Any) 
     return ids.to(torch.int32), weights
 
 
-def _time_prefill(method: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
-    """CPU path vs GPU path (copy, compute) of one layer for ``n`` tokens."""
+def _time_prefill(method: Any, path: Any, layer: Any, n: int, sizes: ModelSizes, gen: Any, time_ms: Any) -> dict:
+    """CPU path vs whole-layer ``path`` (copy, compute) of one layer for ``n`` tokens."""
     x, weights, ids = _routing(n, sizes, gen)
-    path = method.gpu_prefill
-    staging, host = path.staging, path.host
+    staging, host = path.buffers, path.host
     threshold = path.min_tokens
     repeats = 5
 
@@ -197,13 +195,13 @@ PREFILL_TOKENS = [256, 512, 1024, 2048, 4096, 8192]
 def layer_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s: int) -> dict[str, Any]:
     log_path = log_dir / f"layer-{env.get('KT_METHOD', '').lower()}.log"
     print(f"[bench] layer benchmark ({env.get('KT_METHOD')}): starting (log: {log_path})", flush=True)
-    # GPU prefill on from one token, so the layer builds its host copy; each timing below
+    # Staging on from one token, so the layer builds its host copy; each timing below
     # picks its path by setting the threshold itself.
-    # With dynamic experts (which exclude GPU prefill, and swap at every forward here) it
+    # With dynamic experts (which exclude staging, and swap at every forward here) it
     # times the layer's swaps alone.
     dynamic = env.get("KT_DYNAMIC_GPU_EXPERTS", "0") not in ("", "0")
     prefill_from = "0" if dynamic else "1"
-    env = {**env, "KT_GPU_PREFILL_MIN_TOKENS": prefill_from, "KT_CHUNKED_PREFILL_SIZE": str(max(PREFILL_TOKENS))}
+    env = {**env, "KT_STAGING_MIN_TOKENS": prefill_from, "KT_CHUNKED_PREFILL_SIZE": str(max(PREFILL_TOKENS))}
     tokens = [] if dynamic else [1, 16]
     args = {"model_dir": model_dir, "env": env, "tokens": tokens, "iters": 200, "prefill_tokens": PREFILL_TOKENS}
     return timing_in_child("layer benchmark", f"{__name__}:layer_benchmark", args, env, log_path, timeout_s)

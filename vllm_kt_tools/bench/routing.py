@@ -157,8 +157,9 @@ def install() -> None:
     """Attach the recorder to every vLLM MoE router created from now on in this process
     and in the engine processes it forks (call before the engine starts; spawned ones
     call it themselves through ``child_env``)."""
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm_kt_tools.support.vllm_internals import moe_router_class
 
+    BaseRouter = moe_router_class()  # noqa: N806 (vLLM's class)
     if getattr(BaseRouter.__init__, "_kt_bench_routing", False):
         return
     original = BaseRouter.__init__

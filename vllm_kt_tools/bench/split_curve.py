@@ -6,9 +6,9 @@ engine, and each forward runs through all of them in turn, so the next layer's p
 overlaps this one's work as it does in a model. Per token count, one layer's time on
 
 - ``cpu_path_ms``: the CPU path (kt-kernel computes every CPU expert);
-- ``whole_layer_ms``: today's GPU prefill (every CPU expert streamed to the GPU);
+- ``whole_layer_ms``: the whole-layer path (every CPU expert streamed to the GPU);
 - ``split_ms``: the split with the cost model (its probe logged and stored);
-- ``split_fp8_ms``: the split with the FP8 host copy (KT_GPU_PREFILL_FP8_COPY=1, a second
+- ``split_fp8_ms``: the split with the FP8 host copy (KT_STAGING_FP8_COPY=1, a second
   child: the copy is built at load), and ``whole_layer_fp8_ms``;
 
 with the plan's mean staged / picked CPU experts per layer and the model's prediction, to
@@ -40,46 +40,46 @@ def split_curve_benchmark(
 
     import torch
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.worker.workspace import init_workspace_manager
 
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
-    from vllm_kt_plugin.hybrid.split_cost import path_thresholds
-    from vllm_kt_plugin.hybrid.split_path import NEVER, SplitPath
+    from vllm_kt_plugin.hybrid.staging.build import staging_path
+    from vllm_kt_plugin.hybrid.staging.costs import path_thresholds
+    from vllm_kt_plugin.hybrid.staging.split import NEVER, SplitPath
     from vllm_kt_plugin.settings.loader import load_settings
+    from vllm_kt_tools.support.vllm_internals import forward_context, init_workspace, routed_experts
 
     sizes = model_sizes(json.loads((Path(model_dir) / "config.json").read_text()))
     vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True))
     vllm_config.load_config.load_format = "dummy"
-    fp8 = env.get("KT_GPU_PREFILL_FP8_COPY") == "1"
+    fp8 = env.get("KT_STAGING_FP8_COPY") == "1"
     results: dict[str, Any] = {"tokens": {}, "layers": layers, "fp8_copy": fp8}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     with vllm_world(vllm_config, backend="nccl" if cuda else "gloo"):
-        init_workspace_manager(device)
+        init_workspace(device)
         quant = KTHybridConfig(settings=load_settings({**os.environ, **env}))
         stack = []
         for i in range(layers):
             with device:
                 runner = build_moe(quant, sizes.num_experts, sizes.top_k, sizes.hidden, sizes.expert_inter, layer_idx=i)
-            layer = runner.routed_experts
+            layer = routed_experts(runner)
             for param in layer.parameters():
                 param.data.uniform_(-1e-3, 1e-3)
             layer.quant_method.process_weights_after_loading(layer)
             stack.append((layer, layer.quant_method))
         methods = [m for _, m in stack]
-        # KT_GPU_PREFILL_MIN_TOKENS=1 (a number): each layer has the whole-layer path; the
-        # split (cost model, no share) shares its host copy and buffers, and takes its
-        # place in the layer's paths while the split is timed.
-        wholes = [m.gpu_prefill for m in methods]
+        # KT_STAGING_MIN_TOKENS=1 (a number): each layer has the whole-layer path; its
+        # sibling the split (cost model, no share) shares its LayerStaging (host copy and
+        # buffers), and takes its place in the layer's paths while the split is timed.
+        wholes = [staging_path(m.paths) for m in methods]
         assert all(m.cpu is not None and w is not None for m, w in zip(methods, wholes, strict=True)), (
-            "needs CPU experts and GPU prefill"
+            "needs CPU experts and staging"
         )
         cpu_paths = [m.paths[-1] for m in methods]
         splits = []
         for method, whole in zip(methods, wholes, strict=True):
-            split = SplitPath(method.parts, 1, method.cpu)
-            split.attach(whole.host, whole.staging)
+            split = SplitPath(whole.staging, method.cpu)
+            split.min_tokens = 1
             method.parts.context.process.add_split_path(method.layer_idx, split)  # the next layer's prefetch
             splits.append(split)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -113,7 +113,7 @@ def split_curve_benchmark(
             end.synchronize()
             return start.elapsed_time(end) / (repeats * layers)
 
-        with set_forward_context(None, vllm_config):
+        with forward_context(vllm_config):
             for n in tokens:
                 before = [(s.forwards, s.staged_experts, s.picked_experts) for s in splits]
                 row = {f"{p}_ms": round(per_layer_ms(p, n), 3) for p in ("cpu", "whole_layer", "split")}
@@ -127,7 +127,7 @@ def split_curve_benchmark(
                 print(f"[split-curve] {n} tokens: {row}", flush=True)
         costs = splits[0].costs
         results["cost_model"] = None if costs is None else {k: v for k, v in vars(costs).items()}
-        if costs is not None:  # what the engine's forwards take by these costs (split_cost.path_thresholds)
+        if costs is not None:  # what the engine's forwards take by these costs (costs.path_thresholds)
             spec = methods[0].cpu.spec
             split_from, whole_from = path_thresholds(
                 costs, splits[0].host.num_experts, spec.num_experts, spec.top_k, spec.chunked_prefill_size
@@ -141,14 +141,14 @@ def split_curve_benchmark(
 def split_curve_in_child(model_dir: str, env: dict[str, str], log_dir: Path, timeout_s: int) -> dict[str, Any]:
     """The curve with the BF16 host copy (or kt-kernel's writer), then with the FP8 copy
     where the method keeps a copy of unquantized experts; merged by token count."""
-    base = {**env, "KT_GPU_PREFILL_MIN_TOKENS": "1", "KT_CHUNKED_PREFILL_SIZE": str(max(SPLIT_CURVE_TOKENS))}
+    base = {**env, "KT_STAGING_MIN_TOKENS": "1", "KT_CHUNKED_PREFILL_SIZE": str(max(SPLIT_CURVE_TOKENS))}
     args = {"model_dir": model_dir, "tokens": SPLIT_CURVE_TOKENS, "layers": SPLIT_CURVE_LAYERS, "repeats": 5}
     method = env.get("KT_METHOD", "").lower()
     target = f"{__name__}:split_curve_benchmark"
     curve = timing_in_child(
         "split curve", target, {**args, "env": base}, base, log_dir / f"split-{method}.log", timeout_s
     )
-    fp8_env = {**base, "KT_GPU_PREFILL_FP8_COPY": "1"}
+    fp8_env = {**base, "KT_STAGING_FP8_COPY": "1"}
     fp8_log = log_dir / f"split-{method}-fp8.log"
     fp8 = timing_in_child("split curve, FP8 copy", target, {**args, "env": fp8_env}, fp8_env, fp8_log, timeout_s)
     if "error" in curve:

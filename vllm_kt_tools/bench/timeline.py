@@ -48,7 +48,7 @@ def decode_collect_in_worker(worker: Any = None) -> list[dict[str, Any]]:
 
 
 def split_costs_in_worker(worker: Any = None) -> dict[str, Any] | None:
-    """The split's start-up probe (``hybrid.split_probe``) in the worker, as its log line gives
+    """The split's start-up probe (``hybrid.staging.probe``) in the worker, as its log line gives
     it (seconds; the probed layer's expert bytes): what replays the timeline's split forwards
     against the cost model. None where no forward took the split."""
     from vllm_kt_plugin.hybrid.process_state import process_state
@@ -57,7 +57,7 @@ def split_costs_in_worker(worker: Any = None) -> dict[str, Any] | None:
     if probe is None:
         return None
     costs = dataclasses.asdict(probe.costs)
-    del costs["split_over_model"]  # a layer's, by its staged format (split_cost.SPLIT_OVER_MODEL)
+    del costs["split_over_model"]  # a layer's, by its staged format (staging.costs.SPLIT_OVER_MODEL)
     return {"expert_nbytes": probe.expert_nbytes, **costs}
 
 

@@ -238,8 +238,8 @@ def run_layer_only(runs: list[RunSpec], report: dict[str, Any], workdir: Path, a
 def time_layer(
     report: dict[str, Any], model: str, method: str, env: dict[str, str], workdir: Path, timeout_s: int
 ) -> dict[str, Any]:
-    """One kt-hybrid layer of ``method`` timed alone, into ``report`` (with GPU prefill's
-    break-even where it was timed)."""
+    """One kt-hybrid layer of ``method`` timed alone, into ``report`` (with the whole-layer
+    path's break-even where it was timed)."""
     env = {**env, "KT_CACHE_DIR": str(workdir / "layer-cache")}
     wait_until_free(f"the layer benchmark of {method}")
     layer = layer_in_child(model, env, workdir / "logs", timeout_s)
@@ -471,7 +471,7 @@ def _load_spec(text: str) -> tuple[int, int]:
 def _env_pair(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.startswith(SETTINGS_PREFIX):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KT_NAME=VALUE, e.g. KT_GPU_PREFILL_MIN_TOKENS=4096")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KT_NAME=VALUE, e.g. KT_STAGING_MIN_TOKENS=4096")
     return name, value
 
 
@@ -547,8 +547,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-off-check",
         action="store_true",
-        help="also run the first method with KT_GPU_PREFILL_MIN_TOKENS=0 (GPU prefill off): the variant "
-        "prefill-off:KT_GPU_PREFILL_MIN_TOKENS=0",
+        help="also run the first method with KT_STAGING_MIN_TOKENS=0 (staging off): the variant "
+        "prefill-off:KT_STAGING_MIN_TOKENS=0",
     )
     parser.add_argument(
         "--variant",
@@ -566,7 +566,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS[,MS]",
         help="also run the first method behind kt-hybrid's scheduler (--scheduler-cls "
         f"{GATHERING_SCHEDULER}: prompts sent together share one forward), as run gather at the plugin's "
-        "KT_GPU_PREFILL_GATHER_MS, or as gather-<MS>ms at each window given",
+        "KT_STAGING_GATHER_MS, or as gather-<MS>ms at each window given",
     )
     parser.add_argument(
         "--kt-env",

@@ -23,12 +23,12 @@ from vllm_kt_plugin.cpu_backends.base import ERROR, OK, WARN, CheckpointFormat, 
 from vllm_kt_plugin.cpu_backends.kt_kernel.cores import resolved_vllm_cores
 from vllm_kt_plugin.cpu_backends.registry import backend_class
 from vllm_kt_plugin.hybrid.serve_checks import check_serving
+from vllm_kt_plugin.hybrid.staging.plan import OFF, StagingFacts, host_copy_bytes, plan_staging
 from vllm_kt_plugin.planning.gpu_budget import measured_device_capability
-from vllm_kt_plugin.settings.catalogue import AUTO_METHOD, GIB, RESERVED_CORES
+from vllm_kt_plugin.settings.catalogue import AUTO, AUTO_METHOD, BY_NAME, GIB, RESERVED_CORES
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
 from vllm_kt_plugin.settings.model_memory import ModelConfigError, estimate_model_memory
-from vllm_kt_plugin.settings.staging import fp8_copy_on
 from vllm_kt_plugin.settings.variables import (
     ALONE,
     HostShare,
@@ -115,11 +115,15 @@ def check_settings(
     while True:
         try:
             settings = load_settings(env, cores=system.usable_cores, numa_nodes=system.numa_nodes, share=share)
+            plan_staging(StagingFacts(settings)).check()  # what the settings alone refuse of staging
         except KTConfigError as e:
             errors.append(Diagnostic("settings", ERROR, str(e)))
-            if e.variable not in env:  # not one variable's fault (e.g. inside a preset file)
+            variable = BY_NAME.get(e.variable)
+            names = [n for n in (e.variable, *(variable.old_names if variable else ())) if n in env]
+            if not names:  # not one variable's fault (e.g. inside a preset file)
                 return errors, KTSettings.from_env({}, cores=system.usable_cores, numa_nodes=system.numa_nodes)
-            del env[e.variable]
+            for name in names:
+                del env[name]
             continue
         return errors or [Diagnostic("settings", OK, settings.describe())], settings
 
@@ -188,14 +192,12 @@ def check_ram(
     method: str | None,
     model_config: Mapping[str, Any] | None,
     available: int | None,
-    gpu_prefill_gpu_experts: int | None = None,
-    fp8_copy: bool | None = False,
-    capability: tuple[int, int] | None = None,
+    staged_gpu_experts: int | None = None,
+    fp8_copy: bool = False,
 ) -> Diagnostic:
-    """kt-kernel's experts, plus GPU prefill's host copy of the CPU experts when it is on
-    (``gpu_prefill_gpu_experts``: the GPU experts per layer then, None when off; ``fp8_copy``:
-    KT_GPU_PREFILL_FP8_COPY, the copy in block FP8, None: auto, decided for ``capability``,
-    this host's GPU's)."""
+    """kt-kernel's experts, plus staging's host copy of the CPU experts where it is forced
+    on (``staged_gpu_experts``: the GPU experts per layer then, None when not; ``fp8_copy``:
+    the copy in block FP8, as the staging plan decided)."""
     if model_config is None:
         return Diagnostic("ram", WARN, "not checked: pass --model DIR (its config.json sizes the CPU experts)")
     if method is None or available is None:
@@ -208,18 +210,42 @@ def check_ram(
     if need is None:
         return Diagnostic("ram", WARN, f"not checked: the size of {method} experts depends on the weight files")
     sizes = f"the experts in {method} take ~{need / GIB:.1f} GB"
-    fp8_copy = fp8_copy_on(fp8_copy, method, quantized=memory.quantized, tensor_parallel_size=1, capability=capability)
-    host = memory.gpu_prefill_host_bytes(gpu_prefill_gpu_experts or 0, method, fp8_copy=fp8_copy)
-    if gpu_prefill_gpu_experts is not None and host:
+    host = host_copy_bytes(memory, staged_gpu_experts or 0, method, fp8_copy=fp8_copy)
+    if staged_gpu_experts is not None and host:
         need += host
         copy = ", a block-FP8 copy" if fp8_copy and not memory.quantized else ""
-        sizes += f" + {host / GIB:.1f} GB pinned for GPU prefill{copy} (KT_GPU_PREFILL_MIN_TOKENS=auto or 0: none)"
+        sizes += f" + {host / GIB:.1f} GB pinned for staging{copy} (KT_STAGING_MIN_TOKENS=auto or 0: none)"
     sizes += f", MemAvailable is {available / GIB:.1f} GB"
     if need > available:
         return Diagnostic("ram", ERROR, f"{sizes}: kt-kernel loads every expert of each layer into RAM")
     if need > RAM_HEADROOM * available:
         return Diagnostic("ram", WARN, f"{sizes}: little room left for vLLM and the page cache")
     return Diagnostic("ram", OK, sizes)
+
+
+def staging_ram(
+    settings: KTSettings, model_config: Mapping[str, Any] | None, capability: tuple[int, int] | None
+) -> tuple[int | None, bool]:
+    """What the RAM check counts of staging, by its plan for this model and host: the GPU
+    experts per layer where a number forces it on (None otherwise: auto turns itself off
+    where its copy would not fit; with KT_NUM_GPU_EXPERTS=auto the copy is sized for all),
+    and whether the copy is block FP8."""
+    try:
+        memory = estimate_model_memory(model_config) if model_config is not None else None
+    except ModelConfigError:
+        memory = None
+    facts = StagingFacts(
+        settings,
+        experts=None if memory is None else memory.checkpoint_format,
+        quantized=None if memory is None or not memory.quantized else memory.checkpoint_format,
+        tensor_parallel_size=1,
+        device="cpu" if capability is None else "cuda",
+        capability=capability,
+    )
+    plan = plan_staging(facts)
+    if plan.path == OFF or settings.staging_min_tokens is AUTO:
+        return None, plan.fp8_copy
+    return (0 if settings.gpu_experts_auto else int(settings.num_gpu_experts)), plan.fp8_copy  # type: ignore[arg-type]
 
 
 # --- running them ---------------------------------------------------------------------
@@ -312,23 +338,12 @@ def run_checks(
         *check_versions(system.versions, settings.backend),
         *diagnostics,
         check_ram(
-            settings.method,
+            settings.method if isinstance(settings.method, str) else None,
             model_config,
             system.mem_available_bytes,
-            _gpu_prefill_gpu_experts(settings),
-            settings.gpu_prefill_fp8_copy,
-            measured_device_capability(),
+            *staging_ram(settings, model_config, measured_device_capability()),
         ),
     ]
-
-
-def _gpu_prefill_gpu_experts(settings: KTSettings) -> int | None:
-    """GPU experts per layer when GPU prefill is forced on (None when off, or auto, which
-    turns itself off where its copy would not fit); with KT_NUM_GPU_EXPERTS=auto the count
-    is not known here, so the copy is sized for all."""
-    if not settings.gpu_prefill_min_tokens:  # 0 (off) or None (auto)
-        return None
-    return settings.num_gpu_experts
 
 
 def format_report(verdicts: Sequence[Diagnostic]) -> str:

@@ -139,9 +139,9 @@ def import_failure(architecture: str) -> str | None:
     (e.g. a module that imports torchvision, or one with GPU-only implementations), or None."""
     import importlib
 
-    from vllm.model_executor.models.registry import _VLLM_MODELS
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
-    module, cls = _VLLM_MODELS[architecture]
+    module, cls = registry_models()[architecture]
     name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
     try:
         getattr(importlib.import_module(name), cls)

@@ -36,5 +36,7 @@ def engine_lock() -> Iterator[None]:
 
 def stop_engine(llm: Any) -> None:
     """Shut a ``vllm.LLM``'s engine down (its GPU memory freed) while holding the lock."""
+    from vllm_kt_tools.support.vllm_internals import shutdown_engine
+
     with engine_lock():
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(llm)

@@ -32,20 +32,14 @@ def vllm_world(vllm_config: Any, backend: str = "gloo") -> Iterator[Any]:
     process that has not asked. kt-kernel asks only from its worker threads at their first
     forward, so a layer run alone raced them (the split curve's test failed 5 times in 8)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.utils.network_utils import get_open_port
 
-    if backend == "gloo" and torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
+    from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
+    from vllm_kt_tools.support.vllm_internals import init_single_process_groups
+
+    if backend == "gloo":
+        ask_for_amx_tiles()
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-            local_rank=0,
-            backend=backend,
-        )
-        initialize_model_parallel(1, 1)
+        init_single_process_groups(backend)
         yield vllm_config
 
 
@@ -94,8 +88,10 @@ def checkpoint_items(experts: dict):
 
 
 def load(runner, experts: dict) -> list[str]:
+    from vllm_kt_tools.support.vllm_internals import routed_experts
+
     loaded = list(runner.load_weights(checkpoint_items(experts)))
-    layer = runner.routed_experts
+    layer = routed_experts(runner)
     layer.quant_method.process_weights_after_loading(layer)
     return loaded
 

@@ -80,7 +80,7 @@ def _linear_names(tensors: dict[str, torch.Tensor], *, routed_only: bool = False
 
 
 def _fp8_block(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    from vllm_kt_tools.support.vllm_internals import per_block_cast_to_fp8
 
     out = dict(tensors)
     for name in _linear_names(tensors):
@@ -158,14 +158,14 @@ def _random_fp8(shape: tuple[int, int], generator: torch.Generator) -> torch.Ten
 
 def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from vllm.model_executor.layers.quantization.utils.quant_utils import quantize_weights
-    from vllm.scalar_type import scalar_types
+
+    from vllm_kt_tools.support.vllm_internals import quantize_int4
 
     out = dict(tensors)
     for name in _linear_names(tensors, routed_only=True):
         weight = out.pop(name)  # [N, K]
         n, k = weight.shape
-        _, q, scale, _ = quantize_weights(weight.float().t(), scalar_types.int4, CT_GROUP)  # [K, N] groups along K
+        _, q, scale, _ = quantize_int4(weight.float().t(), CT_GROUP)  # [K, N] groups along K
         base = name.removesuffix("weight")
         out[base + "weight_packed"] = pack_to_int32(q.t().contiguous().to(torch.int8), 4)
         out[base + "weight_scale"] = scale.t().contiguous().to(torch.bfloat16)
@@ -200,15 +200,14 @@ def _ct_int4(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> t
 
 
 def _gptq_int4(tensors: dict[str, torch.Tensor], moe_layers: tuple[int, ...]) -> tuple[dict, dict[str, Any]]:
-    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack, gptq_quantize_weights, pack_cols
-    from vllm.scalar_type import scalar_types
+    from vllm_kt_tools.support.vllm_internals import gptq_int4, gptq_pack, pack_cols
 
     out = dict(tensors)
     modules = set()
     for name in _linear_names(tensors):
         weight = out.pop(name).float().t().contiguous()  # GPTQ stores [K, N]
         k, n = weight.shape
-        _, q, scale = gptq_quantize_weights(weight, scalar_types.uint4b8, GPTQ_GROUP)
+        _, q, scale = gptq_int4(weight, GPTQ_GROUP)
         base = name.removesuffix("weight")
         out[base + "qweight"] = gptq_pack(q, 4, k, n)
         out[base + "scales"] = scale.to(torch.float16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vllm_kt_plugin.settings.catalogue import KT_KERNEL_OWN_VARIABLES, VARIABLES
+from vllm_kt_plugin.settings.catalogue import KT_KERNEL_OWN_VARIABLES, VARIABLES, Variable
 from vllm_kt_plugin.source_checkout import checkout_path
 from vllm_kt_tools.support import weight_matrix
 
@@ -65,9 +65,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _meaning(variable: Variable) -> str:
+    former = ", ".join(f"`{name}`" for name in variable.old_names)
+    return f"{variable.help} (formerly {former}, still read)" if former else variable.help
+
+
 def render() -> str:
     rows = ["| Variable | Default | Allowed | Meaning |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{v.name}` | {_cell(v.default)} | {_cell(v.allowed)} | {_cell(v.help)} |" for v in VARIABLES]
+    rows += [f"| `{v.name}` | {_cell(v.default)} | {_cell(v.allowed)} | {_cell(_meaning(v))} |" for v in VARIABLES]
     own = ", ".join(f"`{name}`" for name in sorted(KT_KERNEL_OWN_VARIABLES))
     footer = (
         "\nkt-kernel reads variables of its own that share the prefix; kt-hybrid passes them by "

@@ -146,21 +146,21 @@ def _source(module: str) -> str:
 def moe_architectures() -> dict[str, str]:
     """Architecture -> its module, for every registry entry whose module builds fused-MoE
     layers or reuses those of a module that does."""
-    from vllm.model_executor.models.registry import _VLLM_MODELS  # the registry's own table
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
     return {
         arch: module
-        for arch, (module, cls) in sorted(_VLLM_MODELS.items())
+        for arch, (module, cls) in sorted(registry_models().items())
         if _is_moe(module, cls) or reused_moe_modules(module)
     }
 
 
 @cache
 def _builds_moe() -> frozenset[str]:
-    from vllm.model_executor.models.registry import _VLLM_MODELS
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
     return frozenset(
-        module for module, cls in _VLLM_MODELS.values() if module != "transformers" and _is_moe(module, cls)
+        module for module, cls in registry_models().values() if module != "transformers" and _is_moe(module, cls)
     )
 
 
@@ -245,9 +245,10 @@ def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
     results = load_results() if results is None else results
     architectures = moe_architectures()
     table = {arch: _row(arch, module, results.get(arch)) for arch, module in architectures.items()}
-    from vllm.model_executor.models.registry import _VLLM_MODELS
+    from vllm_kt_tools.support.vllm_internals import registry_models
 
-    same_class = {arch: b for arch in table for b in table if b != arch and _VLLM_MODELS[b] == _VLLM_MODELS[arch]}
+    models = registry_models()
+    same_class = {arch: b for arch in table for b in table if b != arch and models[b] == models[arch]}
     takes = {**{a: (b, "the same class under another registry name") for a, b in same_class.items()}, **TAKES_ROW_OF}
     for arch, (base, why) in takes.items():
         if arch in table and table[arch].status == NOT_CHECKED and table.get(base, table[arch]).status == SERVED:

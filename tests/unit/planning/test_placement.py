@@ -1,5 +1,6 @@
-"""KT_EXPERT_PLACEMENT: which experts of each layer go to the GPU, and how many CPU
-expert evaluations each choice leaves on a profiled workload."""
+"""Placements (``planning/placement.py``): which experts of each layer go to the GPU
+(KT_EXPERT_PLACEMENT), how many CPU expert evaluations each choice leaves on a profiled
+workload, and the masks and slot routing a layer computes with."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_kt_plugin.planning.placement import (
     ExpertPlacement,
@@ -15,6 +17,7 @@ from vllm_kt_plugin.planning.placement import (
     front_loading_counts,
     plan_placements,
     plan_placements_from_settings,
+    route_to_gpu_slots,
 )
 from vllm_kt_plugin.settings.errors import KTConfigError
 from vllm_kt_plugin.settings.loader import load_settings
@@ -181,3 +184,25 @@ def test_plan_from_settings(tmp_path: Path) -> None:
     expected = plan_placements("frequency", MOE_LAYERS, 8, 3, profile=profile)
     assert {i: p.gpu_expert_ids() for i, p in plan.items()} == {i: p.gpu_expert_ids() for i, p in expected.items()}
     assert plan[1].gpu_expert_ids() != [0, 1, 2]
+
+
+def test_route_to_gpu_slots() -> None:
+    placement = ExpertPlacement.from_gpu_expert_ids(6, [0, 2, 5])
+    ids = torch.tensor([[0, 1], [2, 5], [3, 4]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    slots, gpu_weights = route_to_gpu_slots(ids, weights, placement.gpu_slot_of())
+    assert slots.dtype == torch.int32
+    assert slots.tolist() == [[0, 0], [1, 2], [0, 0]]
+    assert torch.equal(gpu_weights, torch.tensor([[0.6, 0.0], [0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_placement_masks() -> None:
+    p = ExpertPlacement.first_n(8, 3)
+    assert p.gpu_mask.tolist() == [True] * 3 + [False] * 5
+    assert (p.num_gpu_experts, p.num_cpu_experts, p.cpu_expert_ids()) == (3, 5, [3, 4, 5, 6, 7])
+    assert p.gpu_slot_of().tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    q = ExpertPlacement.from_gpu_expert_ids(8, [7, 2])
+    assert q.gpu_slot_of().tolist() == [-1, -1, 0, -1, -1, -1, -1, 1]
+    assert q.describe() == "2 GPU experts [2, 7], 6 CPU experts"
+    with pytest.raises(ValueError):
+        ExpertPlacement.first_n(8, 9)

@@ -1,7 +1,6 @@
 """Host memory the experts are copied to the GPU from: page-locked blocks (copies from
 them run async under CUDA) and the layouts (name -> shape, dtype) of a layer's expert
-tensors. Used by GPU prefill's host copy (``host_experts``) and its staging buffers
-(``staging_buffers``)."""
+tensors, for the host copy (``host_experts``) and the buffers (``buffers``)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,9 @@ def pin_in_place(tensor: torch.Tensor) -> None:
     code = int(getattr(error, "value", error))
     if code != 0:
         raise RuntimeError(
-            f"kt-hybrid GPU prefill: CUDA could not page-lock {tensor.numel() * tensor.element_size() / GIB:.2f} GiB "
+            f"kt-hybrid staging: CUDA could not page-lock {tensor.numel() * tensor.element_size() / GIB:.2f} GiB "
             f"for the CPU experts' host copy (cudaHostRegister error {code}); check `ulimit -l` and the RAM check "
-            "of `vllm-kt doctor`, or set KT_GPU_PREFILL_MIN_TOKENS=0"
+            "of `vllm-kt doctor`, or set KT_STAGING_MIN_TOKENS=0"
         )
 
 

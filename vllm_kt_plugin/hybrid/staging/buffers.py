@@ -1,12 +1,7 @@
-"""GPU prefill's two staging buffers on the device, shared by every layer
-(``StagingBuffers``).
+"""The two staging buffers on the device that every layer shares (``StagingBuffers``).
 
-In a batch of thousands of tokens nearly every expert is picked many times, so the CPU's
-compute, not its memory bandwidth, bounds the CPU experts; the GPU has far more. Then the
-layer computes its CPU experts on the GPU too, with a second instance of the native
-method (``host_experts``), their weights copied from host memory into one of two GPU
-buffers shared by all layers. While one layer computes from one buffer, the next layer's
-weights stream into the other on a copy stream, so PCIe time hides behind compute wherever
+While one layer computes its staged CPU experts from one buffer, the next layer's experts
+stream into the other on a copy stream, so PCIe time hides behind compute wherever
 compute is longer.
 """
 
@@ -17,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kt_plugin.hybrid.host_memory import pinned_empty
+from vllm_kt_plugin.hybrid.staging.host_memory import pinned_empty
 from vllm_kt_plugin.hybrid.timeline import ON_DEMAND, PREFETCH, Timeline
 from vllm_kt_plugin.settings.catalogue import GIB
 
 if TYPE_CHECKING:
-    from vllm_kt_plugin.hybrid.host_experts import HostExperts
+    from vllm_kt_plugin.hybrid.staging.host_experts import HostExperts
 
 
 class StagingBuffers:

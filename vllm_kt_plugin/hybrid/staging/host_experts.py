@@ -1,22 +1,11 @@
-"""GPU prefill's CPU experts on the host: ``HostExperts``, one layer's CPU experts in the
-native method's runtime format, from which the staging buffers (``staging_buffers``) copy
-them to the GPU, and which computes them there from the staged weights.
+"""One layer's CPU experts for staging: ``HostExperts``, in the native method's runtime
+format on the host, and the computation of them on the GPU from staged weights.
 
-The host copy is the native method's own runtime format: each layer gets a *shadow* of
-its vLLM layer (``hybrid.shadow``) holding only the CPU experts, on the CPU, built, loaded
-and post-processed by vLLM's code (the checkpoint tensors reach it through the same expert weight loader as
-the GPU experts), then pinned. Where the CPU backend writes its experts in the layout of
-vLLM's Triton kernels itself (kt-kernel's BF16 and FP8), there is no host copy: they are
-written into one of two pinned host buffers per use. Unquantized experts and block-FP8 ones
-(the latter only as kt-kernel's FP8 writes them) are staged; block-FP8 shadows run vLLM's
-Triton kernel, whose layout is the checkpoint's.
-
-With KT_GPU_PREFILL_FP8_COPY=1 the host copy of unquantized experts (AMXINT4, AMXINT8 and
-BF16 CPU experts of a BF16 checkpoint) is block-FP8 instead: each checkpoint tensor is
-quantized as it loads, 128 x 128 blocks with float32 scales (the format of kt-kernel's FP8
-and of DeepSeek-V3's checkpoints), into a block-FP8 shadow run by vLLM's own FP8 MoE
-method (Triton under CUDA). Half the bytes cross PCIe and sit in RAM; the GPU computes
-those experts with FP8 weights (docs/split.md states the measured accuracy).
+The host copy lives in a *shadow* of the vLLM layer (``hybrid.shadow``) holding only the
+CPU experts, built, loaded and post-processed by vLLM's code, then pinned; in block FP8
+with KT_STAGING_FP8_COPY (``fp8_copy``). Where the CPU backend writes its experts in the
+layout of vLLM's Triton kernels (kt-kernel's BF16 and FP8) there is no copy: they are
+written into a pinned host buffer per use.
 """
 
 from __future__ import annotations
@@ -28,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kt_plugin.cpu_backends.base import DUMMY_HIGH, fill_dummy_experts
+from vllm_kt_plugin.cpu_backends.base import fill_dummy_experts
 from vllm_kt_plugin.hybrid.gpu_experts import runs_raw_layout
-from vllm_kt_plugin.hybrid.host_memory import layout_nbytes, layout_of, pinned_copies
 from vllm_kt_plugin.hybrid.shadow import shadow_layer
+from vllm_kt_plugin.hybrid.staging.fp8_copy import fill_dummy_fp8, load_fp8
+from vllm_kt_plugin.hybrid.staging.host_memory import layout_nbytes, layout_of, pinned_copies
+from vllm_kt_plugin.hybrid.staging.plan import FP8_BLOCK
 from vllm_kt_plugin.hybrid.vllm_compat import (
-    DOWN_SHARD,
-    GATE_SHARD,
-    UP_SHARD,
     block_fp8_method,
     can_rebuild_moe_kernel,
     expert_map_set,
@@ -57,28 +45,10 @@ if TYPE_CHECKING:
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
 
 
-FP8_BLOCK = 128  # rows and columns of one block of a block-FP8 copy (kt-kernel's and DeepSeek's)
-
-
-def quantize_block_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [rows, cols] matrix as float8_e4m3fn and float32 scales per ``block`` x ``block``
-    (vLLM's ``weight_scale_inv``: weight ~ fp8 * scale), each block scaled to its largest
-    magnitude. Partial blocks at the edges are scaled by their own part."""
-    rows, cols = weight.shape
-    brows, bcols = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(brows * block, bcols * block, dtype=torch.float32)
-    padded[:rows, :cols] = weight.to(torch.float32)
-    blocks = padded.view(brows, block, bcols, block)
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    scale = (blocks.abs().amax(dim=(1, 3)) / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)
-    scaled = (blocks / scale[:, None, :, None]).clamp(-fp8_max, fp8_max).view(brows * block, bcols * block)
-    return scaled[:rows, :cols].to(torch.float8_e4m3fn), scale
-
-
 class HostExperts:
-    """One layer's CPU experts for GPU prefill, in the native runtime format: a (pinned)
-    host copy, or nothing of their own where the CPU backend writes its experts in that
-    format itself (``writer``): they are then written into a staging buffer each time."""
+    """One layer's CPU experts for staging, in the native runtime format: a (pinned) host
+    copy, or nothing of their own where the CPU backend writes its experts in that format
+    itself (``writer``): they are then written into a staging buffer each time."""
 
     def __init__(
         self,
@@ -107,8 +77,8 @@ class HostExperts:
         self.binds_scales = is_block_fp8(self.native)
         if self.binds_scales and not can_rebuild_moe_kernel(self.native):
             raise RuntimeError(
-                f"kt-hybrid GPU prefill: this vLLM's {type(self.native).__name__} has no _init_moe_kernel (vLLM "
-                "0.32's) to bind staged block-FP8 scales; set KT_GPU_PREFILL_MIN_TOKENS=0"
+                f"kt-hybrid staging: this vLLM's {type(self.native).__name__} has no _init_moe_kernel (vLLM "
+                "0.32's) to bind staged block-FP8 scales; set KT_STAGING_MIN_TOKENS=0"
             )
         self._kernels: dict[int, tuple[FusedMoEQuantConfig, FusedMoEKernel]] = {}
         self.device = torch.device("meta" if self.writer is not None else "cpu")  # a writer's: shapes only
@@ -175,35 +145,10 @@ class HostExperts:
         """One checkpoint tensor of CPU expert ``slot``, through vLLM's own expert loader
         (quantized into its rows of the FP8 copy, with that)."""
         if self.fp8_copy:
-            self._load_fp8(weight, shard_id, slot)
+            load_fp8(self.shadow, weight, shard_id, slot)
         else:
             load_expert_weight(self.shadow, param_name, weight, weight_name, shard_id, slot)
         self.loaded += 1
-
-    def _load_fp8(self, weight: torch.Tensor, shard_id: str, slot: int) -> None:
-        """A gate (w1), up (w3) or down (w2) matrix of one expert, whole (one tensor-parallel
-        rank), quantized into the FP8 copy: w13 holds gate then up, each of its own blocks."""
-        q, scale = quantize_block_fp8(weight)
-        target = "w2" if shard_id == DOWN_SHARD else "w13"
-        rows = getattr(self.shadow, f"{target}_weight").data[slot]
-        scales = getattr(self.shadow, f"{target}_weight_scale_inv").data[slot]
-        half = {GATE_SHARD: 0, UP_SHARD: 1}.get(shard_id, 0)
-        n, b = q.shape[0], scale.shape[0]
-        if rows.shape[-1] != q.shape[1] or rows.shape[0] not in (n, 2 * n):
-            raise ValueError(f"kt-hybrid FP8 copy: {shard_id} of shape {tuple(weight.shape)} does not fit {rows.shape}")
-        rows[half * n : (half + 1) * n].copy_(q)
-        scales[half * b : (half + 1) * b].copy_(scale)
-
-    def _fill_dummy_fp8(self) -> None:
-        """load_format=dummy: random FP8 weights with scales that put them in vLLM's dummy
-        range (values do not change the kernels' speed)."""
-        for name, param in self.shadow.named_parameters(recurse=False):
-            if name.endswith("_scale_inv"):
-                param.data.fill_(DUMMY_HIGH / 448)
-            elif param.dtype == torch.float8_e4m3fn:
-                base = torch.empty(param.shape[1:], dtype=torch.float32).uniform_(-448, 448)
-                param.data[0::2] = base.to(param.dtype)
-                param.data[1::2] = (-base).to(param.dtype)
 
     def finalize(self, dummy: bool, cpu_slot_of: torch.Tensor) -> None:
         """After loading: the native post-processing, then page-locking (again after a
@@ -211,7 +156,7 @@ class HostExperts:
         expert ids: under CUDA as the shadow's expert map, so the kernel skips the picks of
         GPU experts; vLLM's CPU kernels ignore expert maps and get zero-weight picks."""
         if not self.loaded and dummy and self.fp8_copy:
-            self._fill_dummy_fp8()
+            fill_dummy_fp8(self.shadow)
         elif not self.loaded and dummy and self.copies:
             for param in self.shadow.parameters(recurse=False):
                 fill_dummy_experts(param.data)  # not uniform_: ~2 s per layer of AMXINT4's host copy

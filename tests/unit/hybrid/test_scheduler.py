@@ -89,7 +89,7 @@ def test_vllm_loads_the_class_by_name_and_gets_its_own_scheduler_with_the_gate(
     vllm_config, async_scheduling: bool, fresh_process_state: object, monkeypatch: pytest.MonkeyPatch, plugin_log
 ) -> None:
     """``--scheduler-cls`` as vLLM's engine core resolves it: the scheduler vLLM would pick for
-    its mode, which holds a prompt that streams the whole layer (KT_GPU_PREFILL_MIN_TOKENS=64:
+    its mode, which holds a prompt that streams the whole layer (KT_STAGING_MIN_TOKENS=64:
     no layers live in this process, so the settings say) and logs the gather when it lets it go."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -97,7 +97,7 @@ def test_vllm_loads_the_class_by_name_and_gets_its_own_scheduler_with_the_gate(
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.settings.loader import load_settings
 
-    env = {"KT_BACKEND": "torch", "KT_GPU_PREFILL_MIN_TOKENS": "64", "KT_GPU_PREFILL_GATHER_MS": "1000"}
+    env = {"KT_BACKEND": "torch", "KT_STAGING_MIN_TOKENS": "64", "KT_STAGING_GATHER_MS": "1000"}
     monkeypatch.setattr(vllm_config, "quant_config", KTHybridConfig(settings=load_settings(env, cores=4)))
     monkeypatch.setattr(vllm_config.scheduler_config, "async_scheduling", async_scheduling)
     monkeypatch.setattr(vllm_config.scheduler_config, "scheduler_cls", GATHERING_SCHEDULER)
@@ -128,8 +128,8 @@ def test_without_kt_hybrid_the_scheduler_is_vllms_own(vllm_config, plugin_log) -
 @pytest.mark.parametrize(
     "env,want",
     [
-        ({"KT_GPU_PREFILL_MIN_TOKENS": "12"}, 12),  # every layer streams whole from 12 tokens
-        ({"KT_GPU_PREFILL_MIN_TOKENS": "12", "KT_GPU_PREFILL_SPLIT": "0.5"}, None),  # a part, never whole
+        ({"KT_STAGING_MIN_TOKENS": "12"}, 12),  # every layer streams whole from 12 tokens
+        ({"KT_STAGING_MIN_TOKENS": "12", "KT_STAGING_SPLIT": "0.5"}, None),  # a part, never whole
         ({}, None),  # auto without CUDA: no layer stages, whatever the settings alone would say
     ],
     ids=["whole layer", "forced split", "auto off"],
@@ -138,7 +138,7 @@ def test_the_layers_of_this_process_say_from_which_size_the_whole_layer_streams(
     vllm_layer_context, fresh_process_state, env: dict[str, str], want: int | None
 ) -> None:
     """One GPU: the layers live in the scheduler's process, and their paths say (real kt-hybrid
-    layers, torch backend, GPU prefill forced on this CPU build as the engine tests force it)."""
+    layers, torch backend, staging forced on this CPU build as the engine tests force it)."""
     from vllm_kt_plugin.hybrid.admission import whole_layer_from
     from vllm_kt_plugin.hybrid.quant_config import KTHybridConfig
     from vllm_kt_plugin.hybrid.scheduler import layers_seen
@@ -151,7 +151,7 @@ def test_the_layers_of_this_process_say_from_which_size_the_whole_layer_streams(
     load(runner, random_experts(8, seed=3))
     seen = layers_seen(fresh_process_state)
     assert seen is not None
-    assert whole_layer_from(settings.gpu_prefill_min_tokens, settings.gpu_prefill_split, 2048, 0, seen) == want
+    assert whole_layer_from(settings.staging_min_tokens, settings.staging_split, 2048, 0, seen) == want
 
 
 def _empty_output() -> object:
@@ -162,7 +162,7 @@ def _empty_output() -> object:
 
 def test_the_scheduler_module_is_what_the_catalogue_names() -> None:
     module, _, name = GATHERING_SCHEDULER.rpartition(".")
-    assert Path(__file__).resolve().parents[2].joinpath(*module.split(".")).with_suffix(".py").is_file()
+    assert Path(__file__).resolve().parents[3].joinpath(*module.split(".")).with_suffix(".py").is_file()
     import importlib
 
     assert getattr(importlib.import_module(module), name).__name__ == name

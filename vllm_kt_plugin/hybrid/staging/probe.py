@@ -1,13 +1,11 @@
-"""The split's start-up probe: the cost model's constants (``split_cost.SplitCosts``)
-measured on this host as it runs now.
+"""The split's start-up probe: the cost model's constants (``costs.SplitCosts``) measured
+on this host as it runs now.
 
-``probe`` times, on the first layer that takes the split (after every layer reserved its
-staging size): a whole layer's host-to-GPU copy, the CPU backend at two token counts spread
-over all CPU experts, the shadow method at the same two, and the routing read-back. It takes
-well under a second, and it measures this host as it runs now: kt-kernel's speed depends on
-the thread count, the other load and the CPU's memory channels, and a weight cache can move
-between hosts. Other layers scale the per-expert numbers by their expert bytes
-(``ProbedCosts.for_host``); the process keeps the one probe.
+On the first forward that takes the split (every layer has reserved its buffers by then)
+it times a whole layer's host-to-GPU copy, the CPU backend and the staged experts at a few
+(experts, tokens) points, and the routing read-back: well under a second. Measured rather
+than stored, because kt-kernel's speed depends on threads, load and memory channels, and
+a weight cache can move between hosts. Other layers scale it by their expert bytes.
 """
 
 from __future__ import annotations
@@ -20,13 +18,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from vllm.logger import init_logger
 
-from vllm_kt_plugin.hybrid.split_cost import SPLIT_OVER_MODEL, SplitCosts, fit_costs
+from vllm_kt_plugin.hybrid.staging.costs import SPLIT_OVER_MODEL, SplitCosts, fit_costs
 from vllm_kt_plugin.settings.catalogue import LOGGER_NAME
 
 if TYPE_CHECKING:
     from vllm_kt_plugin.cpu_backends.base import CPUExperts
-    from vllm_kt_plugin.hybrid.host_experts import HostExperts
-    from vllm_kt_plugin.hybrid.staging_buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.buffers import StagingBuffers
+    from vllm_kt_plugin.hybrid.staging.host_experts import HostExperts
 
 logger = init_logger(LOGGER_NAME)
 
@@ -56,11 +54,15 @@ class ProbedCosts:
 
 
 class ProbeTarget(Protocol):
-    """What the probe times of a layer's split path (``split_path.SplitPath``): its host
-    copy and buffers, its CPU backend, and its routing read-back (``counts``)."""
+    """What the probe times of a layer's split path (``split.SplitPath``): its host copy and
+    buffers, its CPU backend, and its routing read-back (``counts``)."""
 
-    host: HostExperts | None
-    staging: StagingBuffers | None
+    @property
+    def host(self) -> HostExperts | None: ...
+
+    @property
+    def buffers(self) -> StagingBuffers | None: ...
+
     cpu: CPUExperts
     cpu_expert_ids: torch.Tensor  # the layer's CPU experts' ids, by CPU slot
     hidden_size: int
@@ -118,7 +120,7 @@ def probe(path: ProbeTarget, dtype: torch.dtype) -> ProbedCosts:
     which is vLLM's profiling run (``max_num_batched_tokens`` dummy tokens): what its own
     CPU-backend calls leave behind (kt-kernel's deferral hands results to the next layer)
     reaches no real output."""
-    host, staging, cpu = path.host, path.staging, path.cpu
+    host, staging, cpu = path.host, path.buffers, path.cpu
     assert host is not None and staging is not None
     device = host.cpu_slot_of.device
     top_k = cpu.spec.top_k

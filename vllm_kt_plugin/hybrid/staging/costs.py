@@ -1,31 +1,11 @@
-"""The split's cost model: which of a layer's picked CPU experts to stage on the GPU in
-one forward (pure: no torch, no vLLM).
+"""The split's cost model: which of a layer's picked CPU experts to stage in one forward,
+and which path a forward of a given size takes (pure: no torch, no vLLM).
 
-A layer's CPU experts can go two ways in a forward. The CPU computes them in about
-``cpu_s_fixed`` (a forward's submit and sync) plus ``cpu_s_per_expert`` for each expert
-(reading its weights once) plus ``cpu_s_per_pick`` per token routed to one. The GPU
-computes them far faster once their weights are there (``gpu_s_*`` likewise), but those
-must first cross PCIe: ``copy_s_per_expert`` (bytes over the host-to-GPU rate), nothing
-for an expert already resident (prefetched while the previous layer ran). Both sides run
-at once, the CPU from kt-kernel's submit, the GPU's copies on the copy stream, so a layer
-takes about
-
-    max(write + copy(copied) + gpu(staged), write + cpu(rest), copy(prefetched + copied)) + overhead
-
-when anything is staged, and max(cpu(all), copy(prefetched)) when nothing is. The last
-term is the copy stream's own bound: layer after layer it carries each layer's prefetch
-(copied while the layer before ran) and its copies on demand, so a prefetch hides a copy's
-latency but not its time. Without it the model took prefetched experts for free and
-staged too many: on the H100 curve of 2026-12-06
-(``benchmarks/results/h100_split_curve_qwen3_30b_a3b.json``) a layer of 2,048 tokens took
-14.2 ms with 76 experts staged (12.4-13.4 ms of copies, by the measured stream or the
-probe), where the model had planned on about 5 ms.
-
-Adding one expert to the staged set costs the same copy whichever it is and saves more
-CPU time the more tokens picked it, and resident experts cost no copy at all; so the
-best staged set is a prefix of "resident first, then most-picked first", and ``plan``
-scans every prefix (a few hundred at most). Staging nothing is the CPU path; staging
-every picked expert is the whole-layer stream (copying only what this forward picked).
+The CPU and the GPU work at once, the GPU's part after its copy over PCIe, so a layer
+takes about max(write + copy + GPU(staged), write + CPU(rest), copy stream) + overhead,
+the copy stream counting the prefetch too (it hides a copy's latency, not its time).
+The best staged set is a prefix of "resident first, then most-picked first": ``plan``
+scans them all. docs/split.md, "The cost model", derives it.
 """
 
 from __future__ import annotations
@@ -33,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH, SPLIT_PATH, WHOLE_LAYER_PATH
+
 
 @dataclass(frozen=True)
 class SplitCosts:
     """Per-host constants of one layer shape and method, in seconds (``probe`` measures
-    them at start-up; see ``hybrid.split_path``)."""
+    them at start-up)."""
 
     copy_s_per_expert: float  # one CPU expert's staged bytes over the host-to-GPU rate
     cpu_s_per_expert: float  # the CPU's fixed cost of an expert it computes (weight read)
@@ -50,9 +32,7 @@ class SplitCosts:
     # Layers without a host copy (kt-kernel's BF16 and FP8 write their experts out): the
     # write runs on kt-kernel's threads, so it delays both the copy and the CPU's own work.
     write_s_per_expert: float = 0.0
-    # The split's measured time over this model's, for the staged format (SPLIT_OVER_MODEL):
-    # ``forward_path`` scales the split's prediction by it. Not probed: see SPLIT_OVER_MODEL.
-    split_over_model: float = 1.0
+    split_over_model: float = 1.0  # SPLIT_OVER_MODEL of the staged format (not probed)
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in vars(self).items() if not v >= 0}  # also refuses NaN
@@ -161,7 +141,7 @@ def plan(
 
 
 def share_plan(counts: Sequence[int], share: float, resident: Collection[int] = ()) -> SplitPlan:
-    """KT_GPU_PREFILL_SPLIT=<share>: stage that share of the picked CPU experts (rounded,
+    """KT_STAGING_SPLIT=<share>: stage that share of the picked CPU experts (rounded,
     resident and most-picked first), at least one and, where two or more were picked, at
     least one left to the CPU: a real split whenever one is possible (tests, measurements)."""
     order = order_for_staging(counts, resident)
@@ -203,26 +183,12 @@ def balanced_count(costs: SplitCosts, counts: Sequence[int]) -> int:
     return len(plan(costs, counts).staged)
 
 
-# The split's measured layer time over the model's prediction for its own plan, by the staged
-# format (``SplitCosts.split_over_model``; docs/split.md says what the model leaves out).
-# Measured for the staged counts that ran, with the probed constants:
-# - BF16 (the other formats take its figure, unmeasured): 1.02-1.22 on the H100 curve of
-#   2026-12-06 (benchmarks/results/h100_split_curve_qwen3_30b_a3b.json), where the whole
-#   layer's model also ran 1.04-1.09 over; the choice replays within 5 % of the fastest
-#   path for factors 1.40-1.60 (1.22: 1.057x at 4,096 tokens), so it keeps the 1.49 it had;
-# - block FP8: the largest measured, 0.94-1.49 on that curve and 1.62-1.90 in the 1,024-token
-#   forwards of the head-to-head sitting behind vllm serve (h100_h2h_server_qwen3_30b_a3b.json's
-#   timeline, the probe's constants in h100_h2h_probe.log). There the CPU's part took 8.4 ms a layer (36
-#   experts, 64 tokens each) where the probe's constants give 4.6. A candidate cause, not yet
-#   measured: the probe times the CPU with the copy stream idle, and the split runs it while
-#   the copy stream reads host memory.
-# A forward's path is chosen with the split's prediction scaled by it: the pure paths'
-# predictions held better (on the curve, from the probed constants: the CPU path 0.94-1.20x
-# the measured time, the whole-layer stream 1.04-1.09x from 512 tokens on). Replayed on the
-# curve and on the sitting's timeline, the choice is then the measured fastest path, or
-# within 5 % of it, at every size from 1,024 tokens (tests/unit/test_split_cost.py).
+# The split's measured layer time over the model's prediction for its own plan, by staged
+# format: ``forward_path`` scales the split's prediction by it, since the pure paths'
+# predictions held and the split's did not. The largest measured ratio of each format
+# (formats not measured take BF16's); docs/split.md, "Which path a forward takes", has the
+# measurements and the open question behind them.
 SPLIT_OVER_MODEL = {"bf16": 1.49, "block-fp8": 1.90}
-CPU, SPLIT, WHOLE = "CPU path", "split", "whole layer"  # a forward's path, by the choice below
 
 
 def evenly_picked(tokens: int, num_cpu_experts: int, num_experts: int, top_k: int) -> list[float]:
@@ -242,17 +208,18 @@ def whole_layer_time(costs: SplitCosts, counts: Sequence[float]) -> float:
 
 
 def forward_path(costs: SplitCosts, counts: Sequence[float]) -> str:
-    """CPU, SPLIT or WHOLE for a forward with these counts: the least predicted layer time,
-    the split's scaled by ``costs.split_over_model``; the split as it runs layer after layer, with the
-    balanced part prefetched (ties: the CPU path, then the whole layer)."""
+    """CPU_PATH, SPLIT_PATH or WHOLE_LAYER_PATH for a forward with these counts: the least
+    predicted layer time, the split's scaled by ``costs.split_over_model``; the split as it
+    runs layer after layer, with the balanced part prefetched (ties: the CPU path, then the
+    whole layer)."""
     balanced = balanced_count(costs, counts)
     split = plan(costs, counts, set(range(balanced)), balanced)
     options = {
-        CPU: cpu_time(costs, sum(1 for c in counts if c > 0), sum(counts)),
-        WHOLE: whole_layer_time(costs, counts),
+        CPU_PATH: cpu_time(costs, sum(1 for c in counts if c > 0), sum(counts)),
+        WHOLE_LAYER_PATH: whole_layer_time(costs, counts),
     }
     if split.staged:
-        options[SPLIT] = split.predicted_s * costs.split_over_model
+        options[SPLIT_PATH] = split.predicted_s * costs.split_over_model
     return min(options, key=lambda path: options[path])
 
 
@@ -277,6 +244,6 @@ def path_thresholds(
             low, high = (low, mid) if taken(mid) else (mid, high)
         return high
 
-    whole_from = first(lambda n: path(n) == WHOLE)
-    split_from = min(first(lambda n: path(n) != CPU), whole_from)
+    whole_from = first(lambda n: path(n) == WHOLE_LAYER_PATH)
+    split_from = min(first(lambda n: path(n) != CPU_PATH), whole_from)
     return split_from, whole_from

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_kt_plugin.hybrid.admission import AdmissionGate, Gathered, LayersSeen, whole_layer_from
+from vllm_kt_plugin.settings.catalogue import AUTO, Auto
 
 WINDOW_S, BUDGET, MAX_REQUESTS, WHOLE_FROM = 0.03, 16384, 16, 710
 
@@ -130,21 +131,21 @@ SEEN_SPLIT = LayersSeen(stage=True, split=True, probed=True, split_whole_from=71
     "min_tokens,share,graph,seen,want",
     [
         # the layers live in a worker process (tensor parallelism, vLLM's CPU build): the settings say
-        (0, None, 0, None, None),  # GPU prefill off
-        (16, None, 0, None, 16),  # KT_GPU_PREFILL_MIN_TOKENS=16, no CUDA graphs (the CPU build)
-        (16, None, 512, None, 513),  # graph batches replay the CPU path
-        (None, None, 512, None, 2048),  # auto: the whole layer's break-even, the conservative size
+        (0, AUTO, 0, None, None),  # staging off
+        (16, AUTO, 0, None, 16),  # KT_STAGING_MIN_TOKENS=16, no CUDA graphs (the CPU build)
+        (16, AUTO, 512, None, 513),  # graph batches replay the CPU path
+        (AUTO, AUTO, 512, None, 2048),  # auto: the whole layer's break-even, the conservative size
         (16, 0.5, 0, None, None),  # a forced split stages a part, never the whole layer
         # the layers live here (one GPU): they say
-        (None, None, 512, SEEN_SPLIT, 710),  # the split's probed size
-        (None, None, 512, LayersSeen(True, True, False, 1 << 62), 2048),  # not probed yet: conservative
-        (None, None, 512, LayersSeen(True, True, True, 1 << 62), 1 << 62),  # probed: the whole layer never pays
-        (None, 0.5, 512, LayersSeen(True, True, False, 1 << 62), None),  # the forced split
-        (None, None, 512, LayersSeen(False, False, False, 0), None),  # auto found no room: no layer stages
-        (1024, None, 512, LayersSeen(True, False, False, 0), 1024),  # KT_GPU_PREFILL_MIN_TOKENS=1024
+        (AUTO, AUTO, 512, SEEN_SPLIT, 710),  # the split's probed size
+        (AUTO, AUTO, 512, LayersSeen(True, True, False, 1 << 62), 2048),  # not probed yet: conservative
+        (AUTO, AUTO, 512, LayersSeen(True, True, True, 1 << 62), 1 << 62),  # probed: the whole layer never pays
+        (AUTO, 0.5, 512, LayersSeen(True, True, False, 1 << 62), None),  # the forced split
+        (AUTO, AUTO, 512, LayersSeen(False, False, False, 0), None),  # auto found no room: no layer stages
+        (1024, AUTO, 512, LayersSeen(True, False, False, 0), 1024),  # KT_STAGING_MIN_TOKENS=1024
     ],
 )
 def test_whole_layer_threshold(
-    min_tokens: int | None, share: float | None, graph: int, seen: LayersSeen | None, want: int | None
+    min_tokens: int | Auto, share: float | Auto, graph: int, seen: LayersSeen | None, want: int | None
 ) -> None:
     assert whole_layer_from(min_tokens, share, 2048, graph, seen) == want

@@ -1,4 +1,6 @@
-"""The split's cost model (pure): which picked CPU experts a forward stages on the GPU."""
+"""The split's cost model (``hybrid/staging/costs.py``, pure): which picked CPU experts a
+forward stages on the GPU, and which path a forward takes, replayed on the H100 curve and the
+2026-12-06 sitting's timeline."""
 
 from __future__ import annotations
 
@@ -9,11 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kt_plugin.hybrid.split_cost import (
-    CPU,
-    SPLIT,
+from vllm_kt_plugin.hybrid.staging.costs import (
     SPLIT_OVER_MODEL,
-    WHOLE,
     SplitCosts,
     balanced_count,
     cpu_time,
@@ -28,6 +27,7 @@ from vllm_kt_plugin.hybrid.split_cost import (
     share_plan,
     whole_layer_time,
 )
+from vllm_kt_plugin.hybrid.staging.plan import CPU_PATH, SPLIT_PATH, WHOLE_LAYER_PATH
 
 # Shaped like the committed H200 layer timeline of Qwen3-30B-A3B (AMXINT4, 95 CPU experts of
 # 128, top-8): the whole layer's copy 16.2 ms -> 0.17 ms an expert; the CPU path 10.9 ms at
@@ -110,7 +110,7 @@ def test_prefetched_experts_still_take_the_copy_stream_time() -> None:
 # (the model leaves out something there, docs/split.md); before the copy stream's bound the
 # model gave 1.8-4.2 (BF16) and 2.2-5.5 (FP8). Bounds: each measured range with 0.05 (low)
 # and 0.1 (high).
-CURVE = Path(__file__).parents[2] / "benchmarks/results/h100_split_curve_qwen3_30b_a3b.json"
+CURVE = Path(__file__).parents[4] / "benchmarks/results/h100_split_curve_qwen3_30b_a3b.json"
 MEASURED_OVER_MODEL = {"bf16": (1.02 - 0.05, 1.22 + 0.1), "fp8": (0.94 - 0.05, 1.49 + 0.1)}
 
 
@@ -157,8 +157,8 @@ def test_path_thresholds_are_where_the_choice_changes() -> None:
     def path(tokens: int) -> str:
         return forward_path(costs, evenly_picked(tokens, 95, 128, 8))
 
-    assert path(split_from - 1) == CPU and path(split_from) == SPLIT
-    assert path(whole_from - 1) == SPLIT and path(whole_from) == WHOLE
+    assert path(split_from - 1) == CPU_PATH and path(split_from) == SPLIT_PATH
+    assert path(whole_from - 1) == SPLIT_PATH and path(whole_from) == WHOLE_LAYER_PATH
     never = SplitCosts(**{**vars(H200_LIKE), "copy_s_per_expert": 1.0})  # PCIe far slower than the CPU
     assert path_thresholds(never, 95, 128, 8, 4096) == (4097, 4097)
 
@@ -193,7 +193,11 @@ def test_path_choice_follows_the_measured_curve(copy: str) -> None:
     for tokens, row in curve["tokens"].items():
         if int(tokens) < 1024:
             continue
-        measured = {CPU: row["cpu_ms"], SPLIT: row[f"split{suffix}_ms"], WHOLE: row[f"whole_layer{suffix}_ms"]}
+        measured = {
+            CPU_PATH: row["cpu_ms"],
+            SPLIT_PATH: row[f"split{suffix}_ms"],
+            WHOLE_LAYER_PATH: row[f"whole_layer{suffix}_ms"],
+        }
         chosen = forward_path(costs, evenly_picked(int(tokens), m, 128, 8))
         worst = max(worst, measured[chosen] / min(measured.values()))
         assert measured[chosen] <= CHOICE_WITHIN * min(measured.values()), (copy, tokens, chosen, measured)
@@ -237,8 +241,8 @@ def test_the_sittings_split_forwards_set_the_fp8_factor_and_now_take_the_whole_l
     assert wholes and max(w["moe_ms"] for w in wholes) < min(s["moe_ms"] for s in splits)
     # ... and the factor now chooses it at 1,024 tokens, where the factor before chose the split.
     fp8 = SplitCosts(**{**vars(costs), "split_over_model": SPLIT_OVER_MODEL["block-fp8"]})
-    assert forward_path(fp8, counts) == WHOLE
-    assert forward_path(SplitCosts(**{**vars(costs), "split_over_model": 1.49}), counts) == SPLIT
+    assert forward_path(fp8, counts) == WHOLE_LAYER_PATH
+    assert forward_path(SplitCosts(**{**vars(costs), "split_over_model": 1.49}), counts) == SPLIT_PATH
 
 
 def test_fit_costs_tells_fixed_expert_and_pick_apart() -> None:
@@ -270,36 +274,6 @@ def test_costs_refuse_negative_and_nan() -> None:
         SplitCosts(-1.0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="finite and >= 0"):
         SplitCosts(math.nan, 0, 0, 0, 0)
-
-
-@pytest.mark.parametrize(
-    ("env", "message"),
-    [
-        ({"KT_GPU_PREFILL_SPLIT": "0"}, "KT_GPU_PREFILL_SPLIT='0'"),
-        ({"KT_GPU_PREFILL_SPLIT": "1"}, "strictly between 0 and 1"),
-        ({"KT_GPU_PREFILL_SPLIT": "half"}, "not a number"),
-        ({"KT_GPU_PREFILL_FP8_COPY": "2"}, "must be auto, 0 or 1"),
-        ({"KT_GPU_PREFILL_FP8_COPY": "1", "KT_GPU_PREFILL_MIN_TOKENS": "0"}, "turns GPU prefill off"),
-    ],
-)
-def test_split_settings_are_checked_at_config_time(env: dict[str, str], message: str) -> None:
-    from vllm_kt_plugin.settings.errors import KTConfigError
-    from vllm_kt_plugin.settings.variables import KTSettings
-
-    with pytest.raises(KTConfigError, match=message):
-        KTSettings.from_env(env, cores=4, numa_nodes=1)
-
-
-def test_split_settings_parse() -> None:
-    from vllm_kt_plugin.settings.variables import KTSettings
-
-    default = KTSettings.from_env({}, cores=4, numa_nodes=1)
-    assert default.gpu_prefill_split is None and default.gpu_prefill_fp8_copy is None  # auto, per layer
-    given = KTSettings.from_env({"KT_GPU_PREFILL_SPLIT": "0.25", "KT_GPU_PREFILL_FP8_COPY": "1"}, cores=4, numa_nodes=1)
-    assert given.gpu_prefill_split == 0.25 and given.gpu_prefill_fp8_copy
-    assert KTSettings.from_env({"KT_GPU_PREFILL_SPLIT": "auto"}, cores=4, numa_nodes=1).gpu_prefill_split is None
-    assert KTSettings.from_env({"KT_GPU_PREFILL_FP8_COPY": "0"}, cores=4, numa_nodes=1).gpu_prefill_fp8_copy is False
-    assert KTSettings.from_env({"KT_GPU_PREFILL_FP8_COPY": "AUTO"}, cores=4, numa_nodes=1).gpu_prefill_fp8_copy is None
 
 
 def test_a_written_layer_pays_its_write_on_both_sides() -> None:
