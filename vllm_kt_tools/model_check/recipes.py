@@ -378,6 +378,13 @@ RECIPES: dict[str, Recipe] = {
             "qk_head_dim": 64,
         },
         layers=3,
+        # the vision tower's defaults weigh 0.9 GB; the check needs only its text part
+        outer={
+            "vision_config": {
+                "depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+                "out_hidden_size": 128, "projection_intermediate_size": 128,
+            }
+        },
     ),
     # GLM-5 (DeepSeek-V3.2's sparse attention with GLM's MoE)
     "GlmMoeDsaForCausalLM": Recipe(
