@@ -2,7 +2,8 @@
 
 Importing this package registers nothing. vLLM calls :func:`register` in each of its
 processes through the ``vllm.general_plugins`` entry point (name ``kt_hybrid``, so
-``VLLM_PLUGINS`` can leave it out).
+``VLLM_PLUGINS`` can leave it out). The entry point ``kt_cpu_router`` calls
+:func:`register_cpu_router`: only the fix of vLLM's CPU router, nothing of kt-hybrid.
 """
 
 from __future__ import annotations
@@ -26,10 +27,21 @@ def register() -> None:
 
     from vllm_kt_plugin.hybrid.quant_config import QUANT_NAME, KTHybridConfig
     from vllm_kt_plugin.hybrid.serve_checks import print_config_errors_last
-    from vllm_kt_plugin.hybrid.vllm_compat import let_ray_workers_inherit
+    from vllm_kt_plugin.hybrid.vllm_compat import let_ray_workers_inherit, route_ungrouped_sigmoid_on_cpu
     from vllm_kt_plugin.settings.catalogue import SETTINGS_PREFIX
 
     register_quantization_config(QUANT_NAME)(KTHybridConfig)
     let_ray_workers_inherit(SETTINGS_PREFIX)
+    route_ungrouped_sigmoid_on_cpu()
     print_config_errors_last()
     _registered = True
+
+
+def register_cpu_router() -> None:
+    """Only let vLLM's CPU build route sigmoid top-k without expert groups (MiniMax-M2,
+    Laguna; ``vllm_compat.route_ungrouped_sigmoid_on_cpu``), registering nothing of
+    kt-hybrid: the model check's plain-vLLM reference loads it alone, where its recipe
+    says the architecture needs it. Idempotent."""
+    from vllm_kt_plugin.hybrid.vllm_compat import route_ungrouped_sigmoid_on_cpu
+
+    route_ungrouped_sigmoid_on_cpu()

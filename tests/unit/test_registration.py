@@ -49,15 +49,23 @@ def test_vllm_loads_the_entry_point_and_register_is_idempotent() -> None:
         start = time.perf_counter()
         for _ in range(3):
             vllm_kt_plugin.register()
+        from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
         print(json.dumps({
             "count": QUANTIZATION_METHODS.count("kt-hybrid"),
+            "cpu_router_fixed": getattr(CPURouter._compute_routing, "kt_one_group", False),
             "cls": get_quantization_config("kt-hybrid").__name__,
             "kt_kernel_imported": "kt_kernel" in sys.modules,
             "fused_moe_method_imported": "vllm_kt_plugin.hybrid.moe_method" in sys.modules,
         }))
         """
     )
-    assert out == {"count": 1, "cls": "KTHybridConfig", "kt_kernel_imported": False, "fused_moe_method_imported": False}
+    assert out == {
+        "count": 1,
+        "cpu_router_fixed": True,  # on vLLM's CPU build, as this test's
+        "cls": "KTHybridConfig",
+        "kt_kernel_imported": False,
+        "fused_moe_method_imported": False,
+    }
 
 
 @pytest.mark.parametrize(
@@ -106,3 +114,43 @@ def test_a_misspelled_backend_hook_fails_loudly(tmp_path) -> None:
     assert "PluginValidationError" in proc.stderr and "kt_cpu_backend" in proc.stderr, proc.stderr[-3000:]
     ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-3000:]  # without the bad plugin, the same call works
+
+
+def test_kt_cpu_router_applies_only_the_router_fix(tmp_path) -> None:
+    """The ``kt_cpu_router`` entry point pyproject.toml declares (installed here from a
+    dist-info of those entry points, so the test does not depend on the editable install's
+    age): with ``VLLM_PLUGINS=kt_cpu_router`` vLLM's CPU router routes sigmoid top-k without
+    groups, and kt-hybrid is not registered."""
+    from pathlib import Path
+
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    points = declared["project"]["entry-points"]["vllm.general_plugins"]
+    assert points["kt_cpu_router"] == "vllm_kt_plugin:register_cpu_router"
+    dist = tmp_path / "kt_router_points-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kt-router-points\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\nkt_cpu_router = {points['kt_cpu_router']}\n")
+    out = run_python(
+        """
+        import json, torch
+        from vllm.plugins import load_general_plugins
+        from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+        bias = torch.zeros(8)
+        router = CPURouter(top_k=2, global_num_experts=8, scoring_func="sigmoid", e_score_correction_bias=bias)
+        def routes():
+            try:
+                router._compute_routing(torch.zeros(3, 4), torch.randn(3, 8), None)
+                return True
+            except AssertionError:
+                return False
+        before = routes()
+        load_general_plugins()
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        print(json.dumps({"before": before, "after": routes(), "kt_hybrid": "kt-hybrid" in QUANTIZATION_METHODS}))
+        """,
+        VLLM_PLUGINS="kt_cpu_router",
+        PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(tmp_path)])),
+    )
+    assert out == {"before": False, "after": True, "kt_hybrid": False}

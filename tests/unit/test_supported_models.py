@@ -79,6 +79,10 @@ def test_json_written_by_the_tool_round_trips(tmp_path: Path) -> None:
     (tmp_path / "b.json").write_text(json.dumps({"architectures": {"MixtralForCausalLM": later}}))
     results = supported_models.load_results(tmp_path)
     assert results["MixtralForCausalLM"]["reason"] == "y" and results["MixtralForCausalLM"]["run"] == "b.json"
+    ten = {**entry, "reason": "ten"}  # run 10 comes after run 9, though "1" sorts before "9"
+    (tmp_path / "2026-12-07-9.json").write_text(json.dumps({"architectures": {"OlmoeForCausalLM": entry}}))
+    (tmp_path / "2026-12-07-10.json").write_text(json.dumps({"architectures": {"OlmoeForCausalLM": ten}}))
+    assert supported_models.load_results(tmp_path)["OlmoeForCausalLM"]["reason"] == "ten"
 
 
 def test_the_end_to_end_tests_run_the_models_the_table_names() -> None:
@@ -118,3 +122,27 @@ def test_a_recipe_trained_longer_keeps_the_other_recipes_cached_models() -> None
     assert train_steps(Recipe("granitemoe")) == TRAIN_STEPS
     assert train_steps(Recipe("granitemoe", train_steps=400)) == 400
     assert repr(Recipe("granitemoe", train_steps=400)) == repr(Recipe("granitemoe"))
+
+
+def test_a_reference_with_a_fix_of_vllm_says_so() -> None:
+    """Where a recipe's plain-vLLM reference loads one of our fixes of vLLM's CPU build, its
+    result says which and why, and so does its row; each named fix is an entry point of
+    ours, and one that is not installed stops the check (vLLM would skip it silently)."""
+    import tomllib
+
+    from vllm_kt_tools.model_check import engines
+    from vllm_kt_tools.model_check.recipes import CPU_ROUTER, REFERENCE_PLUGINS
+    from vllm_kt_tools.model_check.run import reference
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert set(REFERENCE_PLUGINS) <= set(declared["vllm.general_plugins"])
+    assert {a for a, r in RECIPES.items() if r.reference_plugins} >= {"MiniMaxM2ForCausalLM", "LagunaForCausalLM"}
+    assert reference(RECIPES["MixtralForCausalLM"]) is None
+    said = reference(RECIPES["MiniMaxM2ForCausalLM"])
+    assert said == f"plain vLLM with {CPU_ROUTER} ({REFERENCE_PLUGINS[CPU_ROUTER]})"
+    result = {"status": "served", "reason": None, "seconds": 1.0, "run": "x.json", "reference": said, "checks": {}}
+    row = supported_models._row("MiniMaxM2ForCausalLM", "minimax_m2", result)
+    assert row.detail.startswith(f"reference: {said}; ")
+    assert engines.missing_plugins(["no_such_plugin_of_ours"]) == ["no_such_plugin_of_ours"]
+    with pytest.raises(RuntimeError, match="no_such_plugin_of_ours"):
+        engines.in_process(Path("unused"), [], 1, [], None, Path("unused.log"), ["no_such_plugin_of_ours"])

@@ -346,3 +346,107 @@ def test_ask_for_amx_tiles_gets_the_tile_permission() -> None:
     ask_for_amx_tiles): a process starts without tile permission and has it afterwards."""
     out = subprocess.run([sys.executable, "-c", _TILE_PERMISSION], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "True"], out
+
+
+# --- vLLM's CPU router: sigmoid top-k without expert groups (route_ungrouped_sigmoid_on_cpu) ---
+
+
+@pytest.fixture
+def own_cpu_routing():
+    """vLLM's own ``CPURouter._compute_routing`` for the test (unwrapped where an earlier
+    register() in this process patched it), whatever the test patches put back after."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the fix applies on vLLM's CPU build only; this vLLM is another platform's")
+    current = CPURouter._compute_routing
+    CPURouter._compute_routing = getattr(current, "__wrapped__", current)
+    yield CPURouter
+    CPURouter._compute_routing = current
+
+
+def sigmoid_top_k(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As CUDA routes it, written out: sigmoid scores; the experts chosen on score + bias; their
+    weights the unbiased scores, renormalized where asked; scaled where there is a bias
+    (fused_topk_bias; without one, FusedTopKRouter is never given the factor)."""
+    scores = logits.float().sigmoid()
+    ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * (scale if bias is not None else 1.0), ids
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (weights, ids) in expert order (the kernels take them in any order)."""
+    order = ids.long().argsort(dim=-1)
+    return weights.gather(1, order), ids.long().gather(1, order)
+
+
+def _route(router_cls: type, logits: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    router = router_cls(top_k=kwargs.pop("top_k", 4), global_num_experts=logits.shape[1], **kwargs)
+    return router._compute_routing(torch.zeros(logits.shape[0], 16), logits, None)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpu_router_routes_sigmoid_without_groups_as_cuda(own_cpu_routing, renormalize, scale, with_bias) -> None:
+    """vLLM's CPU build asserts softmax for a sigmoid router without expert groups (MiniMax-M2,
+    Laguna); patched, it gives the hand-written routing above on random logits and bias."""
+    from vllm_kt_plugin.hybrid.vllm_compat import route_ungrouped_sigmoid_on_cpu
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 32, generator=generator)
+    bias = torch.randn(32, generator=generator) * 0.5 if with_bias else None
+    routing = dict(scoring_func="sigmoid", renormalize=renormalize, routed_scaling_factor=scale)
+    with pytest.raises(AssertionError):
+        _route(own_cpu_routing, logits, e_score_correction_bias=bias, **routing)
+    assert route_ungrouped_sigmoid_on_cpu()
+    weights, ids = _route(own_cpu_routing, logits, e_score_correction_bias=bias, **routing)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (64, 4)
+    want_weights, want_ids = by_expert(*sigmoid_top_k(logits, bias, 4, renormalize, scale))
+    got_weights, got_ids = by_expert(weights, ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=1e-7)
+    if with_bias:  # the bias changed the choice somewhere: selection and weights really differ
+        assert not torch.equal(want_ids, by_expert(*sigmoid_top_k(logits, None, 4, renormalize, scale))[1])
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(scoring_func="softmax", renormalize=True),
+        dict(scoring_func="softmax", renormalize=False),
+        dict(scoring_func="sigmoid", use_grouped_topk=True, num_expert_group=4, topk_group=2, routed_scaling_factor=2),
+        dict(scoring_func="softmax", use_grouped_topk=True, num_expert_group=4, topk_group=2),
+        dict(scoring_func="sigmoid", custom_routing_function="custom"),
+    ],
+    ids=["softmax", "softmax-no-renormalize", "grouped-sigmoid-bias", "grouped-softmax", "custom"],
+)
+def test_cpu_router_leaves_every_other_routing_as_it_was(own_cpu_routing, routing: dict) -> None:
+    from vllm_kt_plugin.hybrid.vllm_compat import route_ungrouped_sigmoid_on_cpu
+
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 32, generator=generator)
+    if routing.get("custom_routing_function") == "custom":
+        routing = {**routing, "custom_routing_function": lambda **kw: kw["gating_output"].topk(kw["topk"], dim=-1)}
+    if routing.get("use_grouped_topk") and routing["scoring_func"] == "sigmoid":
+        routing = {**routing, "e_score_correction_bias": torch.randn(32, generator=generator)}
+    before = by_expert(*_route(own_cpu_routing, logits, **routing))
+    assert route_ungrouped_sigmoid_on_cpu()
+    after = by_expert(*_route(own_cpu_routing, logits, **routing))
+    assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
+
+
+def test_cpu_router_fix_is_applied_once(own_cpu_routing) -> None:
+    from vllm_kt_plugin.hybrid.vllm_compat import route_ungrouped_sigmoid_on_cpu
+
+    own = own_cpu_routing._compute_routing
+    assert route_ungrouped_sigmoid_on_cpu()
+    patched = own_cpu_routing._compute_routing
+    assert patched is not own and patched.__wrapped__ is own
+    assert route_ungrouped_sigmoid_on_cpu() and own_cpu_routing._compute_routing is patched

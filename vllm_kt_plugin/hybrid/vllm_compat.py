@@ -319,6 +319,56 @@ TOUCHES: tuple[Touch, ...] = (
         "copies each layer's stack of every expert's unquantized tensor with param.copy_, not through the "
         "expert loader (route_stack_copies)",
     ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "_compute_routing",
+        "owner",
+        "(self, hidden_states, router_logits, indices_type, *, input_ids) -> (weights, ids); the CPU build's "
+        "routing for every MoE layer, asserting softmax where a router has no groups and no custom function",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router",
+        "_grouped_topk",
+        "owner",
+        "grouped top-k by keyword (gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func, "
+        "routed_scaling_factor, e_score_correction_bias); softmax or sigmoid, bias for selection only",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "use_grouped_topk",
+        "init",
+        "whether the router groups experts (its grouped branch runs _grouped_topk)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "custom_routing_function",
+        "init",
+        "a model's own routing function, or None",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "scoring_func",
+        "init",
+        "softmax, sigmoid or sqrtsoftplus, as the model gave it",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "renormalize",
+        "init",
+        "whether the chosen experts' weights are scaled to sum to 1",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "routed_scaling_factor",
+        "init",
+        "the factor on the routing weights (1.0 where the runner scales the output instead)",
+    ),
+    Touch(
+        "vllm.model_executor.layers.fused_moe.router.cpu_router:CPURouter",
+        "e_score_correction_bias",
+        "init",
+        "a per-expert bias added to the scores for selection only, or None",
+    ),
 )
 
 
@@ -352,6 +402,61 @@ def let_ray_workers_inherit(prefix: str) -> None:
     from vllm.ray.ray_env import DEFAULT_ENV_VAR_PREFIXES
 
     DEFAULT_ENV_VAR_PREFIXES.add(prefix)
+
+
+# --- vLLM's CPU router --------------------------------------------------------------------
+
+
+def route_ungrouped_sigmoid_on_cpu() -> bool:
+    """vLLM 0.32's CPU router computes a sigmoid top-k without expert groups as its grouped
+    top-k with one group; every other router is left as it was. Idempotent; whether the
+    platform is vLLM's CPU build (elsewhere nothing changes).
+
+    Why: ``CPURouter._compute_routing`` asserts softmax there (MiniMax-M2, Laguna), where CUDA
+    runs fused_topk_bias: sigmoid scores, the bias for selection only, weights unbiased."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    own = cpu_router.CPURouter._compute_routing
+    if getattr(own, "kt_one_group", False):
+        return True
+
+    @functools.wraps(own)
+    def _compute_routing(
+        self: Any,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        indices_type: torch.dtype | None,
+        *,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            self.use_grouped_topk
+            or self.custom_routing_function is not None
+            or self.scoring_func in ("softmax", "sqrtsoftplus")
+        ):
+            return own(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+        bias = self.e_score_correction_bias
+        return cpu_router._grouped_topk(
+            gating_output=router_logits,
+            topk=self.top_k,
+            renormalize=self.renormalize,
+            num_expert_group=1,
+            topk_group=1,
+            scoring_func=self.scoring_func,
+            # as CUDA: with a bias, fused_topk_bias scales the weights; without one the factory
+            # picks FusedTopKRouter, which is never given the factor
+            routed_scaling_factor=self.routed_scaling_factor if bias is not None else 1.0,
+            e_score_correction_bias=bias,
+        )
+
+    _compute_routing.kt_one_group = True  # type: ignore[attr-defined]
+    cpu_router.CPURouter._compute_routing = _compute_routing  # type: ignore[method-assign]
+    logger.info("kt-hybrid: vLLM's CPU router computes sigmoid top-k without groups as one group")
+    return True
 
 
 def routed_expert_counts(hf_config: Any) -> tuple[int, int]:

@@ -6,7 +6,8 @@ a reference continuation of every prompt (teacher forcing: vLLM's prompt logprob
 ``tests/kt_testing/greedy.py`` does for the end-to-end tests: plain vLLM its own tokens,
 kt-hybrid plain vLLM's. An answer is ``{"ids", "top2", "top2_ids", "forced_ids", "forced"}``.
 
-Plain vLLM runs in one child process (plugin not loaded: ``VLLM_PLUGINS=""``) with the
+Plain vLLM runs in one child process (plugin not loaded: ``VLLM_PLUGINS=""``, or only the
+fixes of vLLM's CPU build a recipe names, e.g. ``kt_cpu_router``) with the
 engines in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its dtypes share one
 start-up, and kt-hybrid's float32 run (the torch backend) follows there once the plugin is
 registered; kt-hybrid in bf16 runs through the real ``vllm serve`` and the OpenAI client.
@@ -92,6 +93,15 @@ def in_process_answers(
     return answers
 
 
+def missing_plugins(plugins: Sequence[str]) -> list[str]:
+    """The names in ``plugins`` that no installed package offers as a ``vllm.general_plugins``
+    entry point (vLLM would skip them silently)."""
+    from importlib.metadata import entry_points
+
+    offered = {point.name for point in entry_points(group="vllm.general_plugins")}
+    return [name for name in plugins if name not in offered]
+
+
 def in_process(
     model: Path,
     prompts: list[list[int]],
@@ -99,12 +109,19 @@ def in_process(
     dtypes: list[str],
     kt_float32: dict[str, str] | None,
     log_path: Path,
+    plugins: Sequence[str] = (),
 ) -> dict:
     """``in_process_answers`` in a child process whose engines run in it
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one start-up for all of them); EngineFailed with
-    the log's tail where plain vLLM fails."""
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one start-up for all of them), plain vLLM with only
+    ``plugins`` loaded; EngineFailed with the log's tail where plain vLLM fails."""
+    missing = missing_plugins(plugins)
+    if missing:
+        raise RuntimeError(
+            f"the entry point(s) {', '.join(missing)} of vllm.general_plugins are not installed: "
+            "reinstall the package (pip install -e . --no-deps)"
+        )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
-    env.update({"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    env.update({"VLLM_PLUGINS": ",".join(plugins), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = run_child(
         "vllm_kt_tools.model_check.engines:in_process_answers",

@@ -89,6 +89,9 @@ class Recipe:
     # Training steps where checkpoint.TRAIN_STEPS leave a greedy step near a tie (the reason by
     # the recipe). Not in the repr: the cache key names the steps used (checkpoint_dir).
     train_steps: int | None = field(default=None, repr=False)
+    # vllm.general_plugins the plain-vLLM reference loads (REFERENCE_PLUGINS: why), where vLLM's
+    # CPU build cannot run the architecture alone. Not in the repr: the weights do not depend on it.
+    reference_plugins: tuple[str, ...] = field(default=(), repr=False)
 
 
 def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
@@ -133,6 +136,13 @@ _GATED_DELTANET = {
 }
 _GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
 
+# Our plugins a plain-vLLM reference may load (Recipe.reference_plugins) -> why; each fixes
+# vLLM's CPU build alone, registering nothing of kt-hybrid (pyproject.toml's entry points).
+CPU_ROUTER = "kt_cpu_router"
+REFERENCE_PLUGINS: Mapping[str, str] = {
+    CPU_ROUTER: "vLLM's CPU router lacks sigmoid top-k without groups",
+}
+
 # Architecture (registry name) -> its recipe. Overrides say why where not obvious.
 RECIPES: dict[str, Recipe] = {
     "Qwen3MoeForCausalLM": Recipe("qwen3_moe", {"norm_topk_prob": True}),
@@ -143,6 +153,7 @@ RECIPES: dict[str, Recipe] = {
     "MiniMaxM2ForCausalLM": Recipe(
         "minimax_m2",
         {"rotary_dim": 16, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True},
+        reference_plugins=(CPU_ROUTER,),
     ),
     "Glm4MoeForCausalLM": Recipe("glm4_moe", {"n_group": 1, "topk_group": 1, "head_dim": 32}, layers=3),
     "DeepseekV2ForCausalLM": Recipe(
@@ -283,6 +294,7 @@ RECIPES: dict[str, Recipe] = {
             "mlp_layer_types": ["dense", "sparse", "sparse"],
         },
         layers=3,
+        reference_plugins=(CPU_ROUTER,),
     ),
     "Lfm2MoeForCausalLM": Recipe(
         "lfm2_moe", {"num_dense_layers": 1, "layer_types": ["conv", "full_attention", "conv"]}, layers=3

@@ -12,6 +12,9 @@ in float32 with the torch backend. The verdict:
 - refused at config time: kt-hybrid's server stopped with its one-line config error;
 - cannot be checked here: plain vLLM itself fails on this machine's vLLM build (its error);
 - failed: anything else (a bug to fix).
+
+Plain vLLM loads no plugin, or only the fixes of vLLM's CPU build its recipe names
+(``Recipe.reference_plugins``; the result says so under ``reference``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 from vllm_kt_tools.model_check import compare, engines
 from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
-from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES
+from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES, REFERENCE_PLUGINS, Recipe
 from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
@@ -158,6 +161,14 @@ def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
     return {"status": FAILED, "reason": f"kt-hybrid {dtype}: {last_error_line(log)}"}
 
 
+def reference(recipe: Recipe) -> str | None:
+    """What the reference is where it is more than plain vLLM (the fixes it loads, and why)."""
+    if not recipe.reference_plugins:
+        return None
+    why = "; ".join(REFERENCE_PLUGINS[name] for name in recipe.reference_plugins)
+    return f"plain vLLM with {', '.join(recipe.reference_plugins)} ({why})"
+
+
 def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     recipe = RECIPES.get(architecture)
     if recipe is None:
@@ -169,10 +180,12 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     prompts = prompt_ids(model)
     dtypes = ["bfloat16", "float32"] if recipe.float32 else ["bfloat16"]
     out: dict[str, Any] = {"weights": weights_of(model), "float32": None if recipe.float32 else recipe.notes}
+    if recipe.reference_plugins:
+        out["reference"] = reference(recipe)
     kt_float32 = {**HALF_ON_CPU, "KT_BACKEND": "torch"} if recipe.float32 else None
     plain_log = logs / f"{architecture}-plain.log"
     try:
-        plain = engines.in_process(model, prompts, MAX_TOKENS, dtypes, kt_float32, plain_log)
+        plain = engines.in_process(model, prompts, MAX_TOKENS, dtypes, kt_float32, plain_log, recipe.reference_plugins)
     except engines.EngineFailed as failed:
         reason = f"plain vLLM fails here: {last_error_line(failed.log)}"
         return {**out, "status": plain_failure_status(reason), "reason": reason}

@@ -8,8 +8,8 @@ layers they reuse); of vLLM's Transformers backend, the classes named MoE.
 
 Each row's status comes from the JSON files ``vllm-kt check-models`` wrote under
 ``docs/model_checks/`` (``vllm_kt_tools.model_check``; a later file's entry for an
-architecture replaces an earlier one's), or from the row of the architecture it takes
-(``model_check.recipes.TAKES_ROW_OF``: the same class under another registry name, or a
+architecture replaces an earlier one's, numbers in names compared as numbers), or from the
+row of the architecture it takes (``model_check.recipes.TAKES_ROW_OF``: the same class under another registry name, or a
 draft or wrapper built on a served architecture's MoE layer class). The five architectures
 the end-to-end tests train also say what else those tests check. README.md holds a short
 summary between its markers, docs/supported_models.md every row;
@@ -183,10 +183,17 @@ def results_folder() -> Path:
     return checkout_path("docs", "model_checks", needed_by=COMMAND)
 
 
+def committed_runs(folder: Path | None = None) -> list[Path]:
+    """The committed runs, in name order with numbers compared as numbers (``2026-12-07-10``
+    after ``2026-12-07-9``)."""
+    paths = (folder or results_folder()).glob("*.json")
+    return sorted(paths, key=lambda p: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p.name)])
+
+
 def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
-    """Architecture -> its latest result among the committed runs (files in name order)."""
+    """Architecture -> its latest result among the committed runs (``committed_runs``' order)."""
     results: dict[str, dict[str, Any]] = {}
-    for path in sorted((folder or results_folder()).glob("*.json")):
+    for path in committed_runs(folder):
         run = json.loads(path.read_text())
         for arch, result in run["architectures"].items():
             results[arch] = {**result, "run": path.name}
@@ -233,6 +240,8 @@ def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
     bf16 = (result.get("checks") or {}).get("bfloat16") or {}
     backend = (bf16.get("backend") or "").split(" ")[0] if status == SERVED else ""
     detail = _measured(result) if status == SERVED else str(result.get("reason") or "")
+    if result.get("reference"):  # plain vLLM with a fix of its CPU build (model_check.run.reference)
+        detail = f"reference: {result['reference']}; {detail}"
     model_type = E2E_MODELS.get(arch)
     if model_type and status == SERVED:
         return Row(arch, module, status, backend, f"{detail}; {e2e_checks(model_type)}", methods_tested(model_type))
@@ -312,7 +321,7 @@ def docs_page() -> str:
     all_rows = rows()
     n = counts(all_rows)
     runs, total_s = [], 0.0
-    for path in sorted(results_folder().glob("*.json")):
+    for path in committed_runs():
         run = json.loads(path.read_text())
         total_s += run["seconds"]
         where = run.get("machine", {})
@@ -341,6 +350,10 @@ def docs_page() -> str:
             "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads.",
             "- **cannot be checked here**: plain vLLM itself fails on this machine's vLLM build; the column gives "
             "its error.",
+            "- **reference: plain vLLM with kt_cpu_router**: plain vLLM's CPU build asserts on this architecture's "
+            "router (sigmoid top-k without expert groups), so the reference loads only the plugin's fix of that "
+            "router (`VLLM_PLUGINS=kt_cpu_router`: vLLM's own grouped top-k with one group, as CUDA routes it), "
+            "nothing of kt-hybrid.",
             "- an architecture that takes another's row (`as ...`) is the same class under another registry name, "
             "or a draft or wrapper built on that architecture's MoE layer class.",
             "- **kt-kernel methods (e2e tests)**: the `KT_METHOD`s the end-to-end tests run on their tiny models: "
