@@ -12,7 +12,9 @@ import torch
 from vllm import _custom_ops as ops
 
 
-def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
@@ -37,12 +39,31 @@ def run(isa: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int
         weights = weights.masked_fill(cpu, 0.0)
     want = reference(x, w13, w2, weights, ids)
     got = torch.empty(tokens, hidden, dtype=torch.bfloat16)
-    ops.cpu_fused_moe(got, x, ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa),
-                      None, None, weights, ids, "silu", isa)
+    ops.cpu_fused_moe(
+        got,
+        x,
+        ops.cpu_prepack_moe_weight(w13, isa),
+        ops.cpu_prepack_moe_weight(w2, isa),
+        None,
+        None,
+        weights,
+        ids,
+        "silu",
+        isa,
+    )
     err = (got.float() - want).abs().max().item() / want.abs().max().item()
     dup_tokens = int(sum(len(set(r.tolist())) < top_k for r in ids))
-    return {"isa": isa, "tokens": tokens, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k,
-            "duplicates": duplicates, "tokens_with_a_repeated_expert": dup_tokens, "max_rel_error": round(err, 5)}
+    return {
+        "isa": isa,
+        "tokens": tokens,
+        "hidden": hidden,
+        "inter": inter,
+        "experts": experts,
+        "top_k": top_k,
+        "duplicates": duplicates,
+        "tokens_with_a_repeated_expert": dup_tokens,
+        "max_rel_error": round(err, 5),
+    }
 
 
 def main() -> None:
