@@ -1,14 +1,10 @@
 """MoE architectures whose experts kt-kernel cannot compute, known from the model's config.
 
-kt-kernel 0.7.2 computes SiLU-gated experts without biases and weights each expert's
-output by its router weight; the torch backend computes the others exactly (each layer
-gets it unless KT_BACKEND is set: ``hybrid.backend_choice``, which also catches what a
-built layer shows of an architecture not listed here). Checked here from the Hugging Face
-config alone, in the process that parses the config, so that a configuration no backend
-can serve stops with one line before any weight loads: KT_BACKEND set to a backend that
-cannot compute them, or a quantized checkpoint (the torch backend computes unquantized
-experts only).
-"""
+Checked from the Hugging Face config alone, in the process that parses the config, so
+that a configuration no backend can serve (KT_BACKEND set to a backend that cannot
+compute them, or a quantized checkpoint: the torch backend computes unquantized experts
+only) stops with one line before any weight loads. Which layers go to the torch backend,
+and what ``hybrid.backend_choice`` adds: docs/design.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
-"""pluggy extension points of vllm-kt-plugin.
-
-A third-party package adds a CPU-expert backend by exposing a module (or object) with a
-``kt_cpu_backends`` hook implementation under the entry-point group
-``vllm_kt_plugin.cpu_backends``::
-
-    # pyproject.toml of the other package
-    [project.entry-points."vllm_kt_plugin.cpu_backends"]
-    my_backend = "my_pkg.kt_backend"
-
-    # my_pkg/kt_backend.py
-    from vllm_kt_plugin.hookspecs import hookimpl
-    from vllm_kt_plugin.cpu_backends.base import CPUExperts
-
-    class MyExperts(CPUExperts): ...
-
-    @hookimpl
-    def kt_cpu_backends():
-        return {"my_backend": MyExperts}
-
-and users select it with ``KT_BACKEND=my_backend``.
-"""
+"""pluggy extension points of vllm-kt-plugin: a third-party package adds a CPU-expert
+backend by implementing the ``kt_cpu_backends`` hook in a module it names under the
+entry-point group ``vllm_kt_plugin.cpu_backends``; users select it with ``KT_BACKEND``.
+The full example: docs/design.md, "Extension point: CPU backends"."""
 
 from __future__ import annotations
 

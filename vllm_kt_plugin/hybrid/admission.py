@@ -2,11 +2,10 @@
 step, so that prompts sent together reach one forward: pure logic, no vLLM.
 
 A forward that streams the whole layer copies every CPU expert to the GPU whatever its size
-(~390 ms on the H100 for Qwen3-30B-A3B, docs/split.md), so two such forwards cost two copies
-where one would do. The gate holds only where that can pay: nothing runs (no decode or prefill
-is delayed), the waiting prompts already make a forward that streams the whole layer, and the
-step could still take more (below its token budget and request limit). It holds at most
-``window_s`` after the oldest waiting prompt arrived: a lone prompt's first token is that late.
+(docs/split.md), so two such forwards cost two copies where one would do. The gate holds
+only while nothing runs, the waiting prompts already make such a forward and the step could
+take more (below its token budget and request limit), for at most ``window_s`` after the
+oldest waiting prompt arrived: a lone prompt's first token is that late.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """A layer's CPU experts as vLLM's own loader writes them, for a CPU backend that takes
-them so (``CPUExperts.takes_loaded_experts``: the torch backend).
-
-A shadow of the layer (``shadow``) sized for the CPU experts gets the native method's
-unquantized parameters; every checkpoint tensor of a CPU expert goes through the layer's
-own expert loader into its row. So the backend sees the experts exactly as vLLM's kernels
-would (any checkpoint layout: per-expert or fused tensors, transposed, gate and up
-interleaved, biases), without code of ours per model; a model that copies a layer's whole
-stack of experts into a parameter (gpt-oss) gives each side its rows (``rows_in_slot_order``).
+them so (``CPUExperts.takes_loaded_experts``: the torch backend). A shadow of the layer
+(``shadow``) sized for the CPU experts gets the native method's unquantized parameters;
+every checkpoint tensor of a CPU expert goes through the layer's own expert loader into its
+row, so the backend sees the experts exactly as vLLM's kernels would (per-expert or fused
+tensors, transposed, gate and up interleaved, biases) without code of ours per model;
+gpt-oss, which copies a whole stack of experts into a parameter, gives each side its rows
+(``rows_in_slot_order``).
 """
 
 from __future__ import annotations

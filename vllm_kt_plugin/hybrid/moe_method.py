@@ -2,11 +2,10 @@
 split between the checkpoint's native method (the GPU experts) and a CPU backend.
 
 vLLM builds it, loads its weights and calls ``apply``; each forward then reads as route ->
-pick a path -> run it, with observers told (``contracts``). The paths (``paths``): the
-staging path its plan chose (``staging``: some or all CPU experts computed on the GPU),
-then the CPU-experts path (``cpu_path``). Observers: ``observers`` and ``dynamic_experts``.
-What the layers of a process share, the layer reaches through its context
-(``contracts.ProcessState``); vLLM internals, through ``vllm_compat``.
+pick a path (``paths``: the staging path its plan chose, then ``cpu_path``) -> run it, with
+observers told (``contracts``; ``observers``, ``dynamic_experts``). What the layers of a
+process share, the layer reaches through its context (``contracts.ProcessState``); vLLM
+internals, through ``vllm_compat``.
 """
 
 from __future__ import annotations

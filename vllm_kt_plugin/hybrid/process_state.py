@@ -1,10 +1,9 @@
 """What the kt-hybrid layers of one process share: ``HybridProcessState``, the
 implementation of ``contracts.ProcessState`` that layers reach through their context.
 
-It holds the layers in decoder order (for deferral and for staging's prefetch of the next
-layer), the staging buffers and the split's probed costs, the metrics collector, the
-routing recorder behind ``vllm-kt profile``, the bench's per-forward and decode timelines
-and the log of dynamic expert swaps: one per process, so one per model
+It holds the layers in decoder order (for deferral and staging's prefetch), the staging
+buffers and the split's probed costs, the metrics collector, the routing recorder, the
+bench's timelines and the log of dynamic expert swaps: one per process, so one per model
 (``process_state()``). It imports no path or observer: it knows them as the contracts'
 ``HybridLayer`` and ``SplitNeighbour``.
 """

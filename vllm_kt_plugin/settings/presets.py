@@ -1,15 +1,10 @@
 """``KT_CONFIG`` presets: ready-made KT_* settings per model, in ``configs/*.yaml``.
 
 A preset sets KT_* values (``settings``), documents the kt-kernel methods that fit the
-model and what ``KT_WEIGHT_PATH`` must hold for each (``methods``), and gives the GPU
-experts per layer for common GPU sizes (``gpu_experts``, computed from ``model_config``
-by :mod:`vllm_kt_plugin.planning.gpu_budget`). Variables set in the environment win over the
-preset. The GPU size comes from ``KT_GPU_MEMORY_GB`` or, where vLLM's platform is CUDA,
-from the device (NVML); the largest table entry not above it (5% tolerance) applies.
-
-A preset is checked like the variables themselves: a mistake is one KTConfigError line
-naming the preset file, the key, the bad value and what is allowed.
-"""
+model (``methods``) and gives the GPU experts per layer for common GPU sizes
+(``gpu_experts``); variables set in the environment win. It is checked like the
+variables: a mistake is one KTConfigError line naming the preset file, the key, the bad
+value and what is allowed. How the GPU size is read: docs/choosing-settings.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Expert routing profiles (``KT_EXPERT_PROFILE``): how often each expert of each layer
 was picked, so ``KT_EXPERT_PLACEMENT=frequency`` can keep the busiest ones on the GPU.
 
-Format (JSON)::
-
-    {
-      "model": "Qwen/Qwen3-30B-A3B",      # free text, for the reader
-      "num_experts": 128,                  # routed experts per layer
-      "layers": {                          # decoder layer index (as in checkpoint names)
-        "0": [1520, 3, 880, ...],          # -> times each expert was picked; num_experts
-        "1": [...]                         #    non-negative integers
-      }
-    }
-
-A profile is gathered by counting ``topk_ids`` per layer over a representative workload.
-Layers missing from the profile cannot use frequency placement (an error names them).
-"""
+A profile is JSON, ``{"model": ..., "num_experts": N, "layers": {"<decoder index>":
+[N non-negative counts]}}``, gathered by counting ``topk_ids`` per layer over a
+representative workload (``vllm-kt profile``). Layers missing from it cannot use frequency
+placement (an error names them). The format in full: docs/choosing-settings.md."""
 
 from __future__ import annotations
 

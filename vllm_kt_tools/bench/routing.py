@@ -1,33 +1,11 @@
 """The bench's workload routing: how the tokens it decodes pick experts, and a count of
 what they picked.
 
-Why sampling. On ``load_format=dummy`` weights greedy decoding emits the same token at every
-step of every sequence (two tokens in turn on the Qwen3-30B-A3B shape), so the 16 sequences
-of a batch route alike and a step touches ~8 experts per layer where 16 independent tokens
-touch ~82 of 128. Every system that computes only the experts a step touches (kt-kernel,
-``--cpu-offload-gb``) then looks faster than it would on a real model. With dummy weights
-the logits are almost flat (every weight is drawn from +-1e-3, the final norm's too), so
-sampling at temperature 1 draws each next token almost uniformly from the vocabulary,
-independently across sequences and steps: the routing of independent tokens, which is what
-a real model's decode batch is closer to. The engine's seed (0) fixes the stream, and each
-decode batch repeats one prompt, so its tokens differ by the sampling alone: greedy decoding
-would route the whole batch like one token (the engine test checks the figure against that).
-Every workload samples so: decode at batch 1 and 16, both prefills (their one new token) and
-the load (``vllm bench serve --temperature 1``), for every system.
-
-What is counted. ``install()`` gives every vLLM MoE router a ``capture_fn`` (vLLM's own hook
-for routed-expert capture, called with each forward's top-k ids, for kt-hybrid too: its
-method gets the router's top-k). It must run in the process that builds the model: vLLM's CPU
-build spawns its engine core and worker processes, which re-import the bench child's main
-module (``support.child``), whose preload (``VLLM_KT_CHILD_PRELOAD``, set by ``child_env``)
-installs it there; a forked engine core inherits it. The count is a custom op (opaque to
-torch.compile, which traces the MoE layer on the CPU build), defined before the model is
-built, so nothing is defined or allocated while a graph is traced or captured. For forwards
-of exactly 1 or 16 tokens (decode at batch 1 and 16) it adds up, on the device and without
-a sync (so it also runs inside CUDA graphs), the number of distinct experts the forward
-picked, per recorded layer. Only every ``EVERY``-th MoE layer is recorded (layers 0, 16, 32
-of 48): the few small kernels it adds then cost well under 1 % of a decode step. ``collect``
-reads the sums back (``LLM.collective_rpc``). The runtime package knows nothing of this.
+Every workload samples at temperature 1 with the engine's seed (0): on dummy weights greedy
+decoding routes a whole batch like one token, while sampling from the near-flat logits routes
+like independent tokens. ``install()`` counts, per recorded MoE layer, the distinct experts of
+each decode forward through vLLM's router ``capture_fn`` and a custom op; ``collect`` reads
+the sums back. Why and how, in full: docs/benchmarks.md, "Routing, recorded".
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""kt-kernel 0.7.2 workarounds, kept in this one place.
-
-1. ``BaseMoEWrapper.__init__`` and ``KExpertsCPUBuffer.get_buffer`` always allocate with
-   ``pin_memory=True``. Pinning needs an accelerator; on a CPU-only torch build (vLLM's
-   CPU engine, CI) it raises ``RuntimeError``. We hand ``kt_kernel.experts_base`` a torch
-   namespace whose tensor factories drop ``pin_memory`` when no accelerator exists.
-2. Without ``KT_FORCE_SYNC_SUBMIT=1`` kt-kernel enqueues its CPU work through CUDA host
-   callbacks (``submit_with_cuda_stream``), which do not exist without a GPU. That
-   variable is kt-kernel's own switch to the synchronous submit/sync path.
-
-Both apply only when torch sees no accelerator.
-
-3. ``BaseMoEWrapper.select_deferred_experts`` (``KT_MAX_DEFERRED_EXPERTS_PER_TOKEN``)
-   scatters and gathers with the routed expert ids. vLLM 0.32 marks the picks of padded
-   tokens -1 (``VLLM_MOE_SKIP_PADDING``, on by default), which it pads every CUDA-graph
-   batch with: on the GPU the scatter hits a device-side "index out of bounds" assert
-   while vLLM captures its graphs. kt-kernel's forward itself skips -1 ids, so padded
-   picks are kept out of the selection and stay -1 in both halves. Applies everywhere.
-   kt-kernel counts nothing it defers, so the wrapper also logs once per process that
-   deferral ran (the tests read that line: deferral silently off must fail them).
-4. The BF16 method reads its experts only from safetensors files under kt-kernel's own
-   names; ``load_bf16_from_tensors`` hands it tensors instead (checkpoints named otherwise).
-"""
+"""kt-kernel 0.7.2 workarounds, kept in this one place: allocation without pinned memory
+and the synchronous submit path where torch sees no accelerator, padded tokens' -1 picks
+kept out of expert deferral, a log line once deferral ran (kt-kernel counts nothing it
+defers), and BF16 experts handed over as tensors. What each break is and why the
+workaround looks as it does: docs/design.md, "kt-kernel 0.7.2's breaks"."""
 
 from __future__ import annotations
 

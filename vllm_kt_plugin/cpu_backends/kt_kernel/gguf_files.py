@@ -1,19 +1,11 @@
 """The GGUF files kt-kernel's LLAMAFILE method reads, found and checked before it reads them.
 
-kt-kernel 0.7.2's ``GGUFLoader`` takes one ``.gguf`` file or every ``*.gguf`` directly in a
-folder, and then looks up ``blk.N.ffn_{gate,up,down}_exps.weight`` (llama.cpp's names, the
-experts stacked outermost) by layer, trusting what it finds: a missing layer is a KeyError
-after vLLM has loaded every GPU weight, a tensor of another shape is read as if it had the
-model's (garbage out), a type its llamafile kernels do not compute aborts the process (Q4_1,
-Q5_1: ``llamafile not supported``) or computes NaNs (BF16 below AVX512-BF16), and two
-quantizations of one model side by side in a folder silently mix. So at config time the
-headers alone are read (gguf-py's reader maps the files; no tensor data is touched) and
-every expert tensor is checked against the Hugging Face config, with one error line naming
-the file, the tensor and what was expected.
-
-``KT_WEIGHT_PATH`` may name a ``.gguf`` file, llama.cpp's first split file
-(``*-00001-of-00003.gguf``: the whole set is read) or a folder holding one model's GGUF.
-"""
+kt-kernel 0.7.2's ``GGUFLoader`` trusts what it finds (a missing layer, a wrong shape, a
+type its kernels do not compute, two quantizations in one folder: docs/design.md,
+"Reliability"), so at config time the headers alone are read and every expert tensor is
+checked against the Hugging Face config, with one error naming the file, the tensor and
+what was expected. ``KT_WEIGHT_PATH`` may name a ``.gguf`` file, llama.cpp's first split
+file (the whole set is read) or a folder holding one model's GGUF."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """The fastest kt-kernel method for this CPU, from a measured table: ``KT_METHOD=auto``.
 
-``method_speeds.json`` beside this file (package data, so it ships in the wheel) is
-``vllm-kt bench --cpu-methods --plugin-table``'s reduction of a committed measurement
-(benchmarks/results/; a unit test keeps the two equal): one Qwen3-30B-A3B MoE layer's
-decode time per kt-kernel CPU variant and method.
-kt-kernel picks its variant from the CPU's features at import, so the variant it loaded
-is the key: an EPYC with AVX512-BF16 reads the ``avx512_bf16`` row, an AVX2-only Xeon the
-``avx2`` row (measured on an AMX host with the variant forced: the same kernels, on that
-host's memory and clock). Reading a table keeps serve's and doctor's start instant; the
-measurement itself takes minutes (``vllm-kt doctor --measure-methods`` runs it here).
-"""
+``method_speeds.json`` beside this file (package data) holds one MoE layer's decode time
+per kt-kernel CPU variant and method, keyed by the variant kt-kernel loaded. Reading a
+table keeps serve's and doctor's start instant; measuring takes minutes. Where the table
+comes from and how to regenerate it: docs/cpu-methods.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Online AMXINT4/AMXINT8 weights: quantize each layer's experts as vLLM loads them, and
 keep the result on disk so the next start loads it without quantizing.
 
-kt-kernel's ``load_weights_from_tensors`` quantizes a layer's BF16 tensors and writes them
-under its ``weight_path`` as ``_layer_<i>/_numa_<n>/*.kt``; ``load_weights`` reads that
-layout back. It quantizes every expert of the layer (GPU ones too), so a cached layer
-serves any later placement. One folder per model (files' sizes and times included, or
-"dummy" for random weights), method and NUMA pool count:
-
-    $KT_CACHE_DIR/<model-name>-<hash>/<METHOD>-pools<N>/_layer_<i>/{_numa_*/, vllm-kt.json}
-
-A layer is written to a temporary folder and renamed into place once complete, so an
-interrupted start leaves no half-written layer behind.
-"""
+kt-kernel's ``load_weights_from_tensors`` quantizes a layer and writes it under its
+``weight_path``; ``load_weights`` reads it back. One folder per model, method and NUMA pool
+count; a layer is written to a temporary folder and renamed into place once complete, so
+an interrupted start leaves no half-written layer. The layout: docs/design.md, "Online
+AMX weights"."""
 
 from __future__ import annotations
 

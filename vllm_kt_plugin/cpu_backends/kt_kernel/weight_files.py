@@ -1,18 +1,11 @@
 """What kt-kernel will read from KT_WEIGHT_PATH (or the model directory), checked before
 it reads it.
 
-kt-kernel 0.7.2's safetensors loaders trust the files: a file that does not open is
-skipped with a print (so its experts are "not found", naming the wrong cause), an expert
-whose gate tensor is missing ends the expert count early (the C++ side then reads
-pointers that were never set), and a tensor of the wrong shape is read as if it had the
-right one (the server serves garbage without an error). So every file is opened here,
-and every CPU-expert tensor the loader will look up is checked for presence, dtype and
-shape, with one error naming the layer, the expert and the file.
-
-Shapes and dtypes are checked for the methods that read a Hugging Face checkpoint's own
-expert tensors: BF16, FP8 (block or per-channel scales), RAWINT4 (compressed-tensors
-pack-quantized) and GPTQ_INT4; for the others the files are checked to open.
-"""
+kt-kernel 0.7.2's safetensors loaders trust the files (docs/design.md, "Reliability"), so
+every file is opened here and, for the methods that read a Hugging Face checkpoint's own
+experts (BF16, FP8, RAWINT4, GPTQ_INT4), every CPU-expert tensor the loader will look up is
+checked for presence, dtype and shape, with one error naming the layer, the expert and
+the file. For the other methods the files are checked to open."""
 
 from __future__ import annotations
 
