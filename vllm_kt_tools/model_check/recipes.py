@@ -393,8 +393,12 @@ RECIPES: dict[str, Recipe] = {
         # the vision tower's defaults weigh 0.9 GB; the check needs only its text part
         outer={
             "vision_config": {
-                "depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
-                "out_hidden_size": 128, "projection_intermediate_size": 128,
+                "depth": 1,
+                "hidden_size": 64,
+                "num_heads": 2,
+                "intermediate_size": 128,
+                "out_hidden_size": 128,
+                "projection_intermediate_size": 128,
             }
         },
     ),
