@@ -9,4 +9,6 @@ CI_SUBSET: dict[str, str] = {
     "Qwen3NextForCausalLM": "RoutedExperts (shared expert behind a gate, hybrid linear attention)",
     "HunYuanMoEV1ForCausalLM": "TransformersRoutedExperts (vLLM's Transformers backend)",
     "GptOssForCausalLM": "GptOssRoutedExperts (biases, clamped SwiGLU: the torch backend)",
+    # not a layer class of its own: the reference loads the plugin's fix of vLLM's CPU router
+    "MiniMaxM2ForCausalLM": "RoutedExperts behind a sigmoid router without groups (kt_cpu_router)",
 }
