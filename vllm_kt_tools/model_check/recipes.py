@@ -155,6 +155,15 @@ _NEMOTRON_H = {
     "moe_shared_expert_intermediate_size": 64,
 }
 
+_JAMBA = {
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "mamba_dt_rank": 8,
+    "mamba_d_state": 16,
+    "use_mamba_kernels": False,
+}
 _MIMO_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 
 # Our plugins a plain-vLLM reference may load (Recipe.reference_plugins) -> why; each fixes
@@ -293,18 +302,10 @@ RECIPES: dict[str, Recipe] = {
             "shared_intermediate_size": 64,
         },
     ),
-    "JambaForCausalLM": Recipe(
-        "jamba",
-        {
-            "attn_layer_period": 2,
-            "attn_layer_offset": 1,
-            "expert_layer_period": 2,
-            "expert_layer_offset": 1,
-            "mamba_dt_rank": 8,
-            "mamba_d_state": 16,
-            "use_mamba_kernels": False,
-        },
-    ),
+    "JambaForCausalLM": Recipe("jamba", _JAMBA),
+    # Jamba's decoder under a classification head: vLLM serves it as a pooling model, so the
+    # check's greedy generation is refused (2026-12-07-15.json); Jamba's own row says why neither runs
+    "JambaForSequenceClassification": Recipe("jamba", _JAMBA, hf_class="JambaForSequenceClassification"),
     "LagunaForCausalLM": Recipe(
         "laguna",
         {
@@ -477,7 +478,19 @@ RECIPES: dict[str, Recipe] = {
         # in vLLM and in the released checkpoint, which has no tensors for them)
         renames={f".mlp.experts.{i}.": None for i in range(NUM_EXPERTS, NUM_EXPERTS + 4)},
     ),
-    "AXK1ForCausalLM": Recipe("axk1", {"n_group": 2, "topk_group": 1}, layers=3),
+    # Every layer sparse: vLLM builds post_mlp_layernorm on dense layers too, which neither
+    # transformers nor (per transformers' AXK1 docstring) the released checkpoints write for them
+    # ("weights were not initialized: model.layers.0.post_mlp_layernorm.weight", 2026-12-07-15.json)
+    "AXK1ForCausalLM": Recipe(
+        "axk1",
+        {
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
+        },
+        layers=3,
+    ),
     "HYV4ForCausalLM": Recipe(
         "hy_v4",
         {
