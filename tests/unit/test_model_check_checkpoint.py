@@ -30,3 +30,14 @@ def test_rename_rewrites_the_files_and_their_index(tmp_path: Path) -> None:
     assert torch.equal(tensors["model.hc_head_fn"], torch.ones(2))
     written = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(written) == ["lm_head.weight", "model.hc_head_fn"]
+
+
+def test_a_part_renamed_to_none_drops_its_tensors(tmp_path: Path) -> None:
+    """LongCat's zero experts: transformers writes tensors the released checkpoint lacks."""
+    renames = RECIPES["LongcatFlashForCausalLM"].renames
+    assert renamed("model.layers.0.mlp.experts.8.gate_proj.weight", renames) is None
+    kept = "model.layers.0.mlp.experts.7.gate_proj.weight"
+    assert renamed(kept, renames) == kept
+    save_file({"a.experts.8.w": torch.ones(1), "a.experts.1.w": torch.zeros(1)}, tmp_path / "m.safetensors")
+    rename_tensors(tmp_path, {".experts.8.": None})
+    assert sorted(load_file(tmp_path / "m.safetensors")) == ["a.experts.1.w"]

@@ -90,10 +90,13 @@ def _router_biases(model: Any, seed: int) -> None:
                     module._non_persistent_buffers_set.discard(name)
 
 
-def renamed(name: str, renames: dict[str, str] | Any) -> str:
-    """``name`` with each of ``renames``' parts replaced by its value."""
+def renamed(name: str, renames: dict[str, str | None] | Any) -> str | None:
+    """``name`` with each of ``renames``' parts replaced by its value; None where a part
+    maps to None (a tensor the released checkpoint lacks: dropped)."""
     for part, new in renames.items():
-        name = name.replace(part, new)
+        if part in name and new is None:
+            return None
+        name = name.replace(part, new) if new is not None else name
     return name
 
 
@@ -102,12 +105,13 @@ def rename_tensors(out: Path, renames: Any) -> None:
     from safetensors.torch import load_file, save_file
 
     for path in sorted(out.glob("*.safetensors")):
-        tensors = load_file(path)
-        save_file({renamed(k, renames): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+        tensors = {renamed(k, renames): v for k, v in load_file(path).items()}
+        save_file({k: v for k, v in tensors.items() if k is not None}, path, metadata={"format": "pt"})
     index = out / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
-        data["weight_map"] = {renamed(k, renames): v for k, v in data["weight_map"].items()}
+        weights = {renamed(k, renames): v for k, v in data["weight_map"].items()}
+        data["weight_map"] = {k: v for k, v in weights.items() if k is not None}
         index.write_text(json.dumps(data, indent=2))
 
 

@@ -82,8 +82,9 @@ class Recipe:
     # architecture's released config where transformers' class keeps it under other names
     config_json: Mapping[str, Any] = field(default_factory=dict)
     # tensor-name parts renamed after saving (transformers' part: the released checkpoint's),
-    # where transformers' save_pretrained writes a name vLLM's loader does not read
-    renames: Mapping[str, str] = field(default_factory=dict)
+    # where transformers' save_pretrained writes a name vLLM's loader does not read (None: the
+    # tensors holding that part are dropped, where the released checkpoint has none)
+    renames: Mapping[str, str | None] = field(default_factory=dict)
     float32: bool = True  # plain vLLM runs this model in float32 (False: the measured reason is in notes)
     notes: str = ""
     # Training steps where checkpoint.TRAIN_STEPS leave a greedy step near a tie (the reason by
@@ -136,6 +137,35 @@ _GATED_DELTANET = {
 }
 _GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
 
+_DEEPSEEK_V3 = {
+    "topk_method": "noaux_tc",
+    "n_group": 2,
+    "topk_group": 1,
+    "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
+}
+
+_NEMOTRON_H = {
+    "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"],
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 32,
+    "ssm_state_size": 16,
+    "n_groups": 1,
+    "chunk_size": 64,
+    "moe_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 64,
+}
+
+_JAMBA = {
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "mamba_dt_rank": 8,
+    "mamba_d_state": 16,
+    "use_mamba_kernels": False,
+}
+_MIMO_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
 # Our plugins a plain-vLLM reference may load (Recipe.reference_plugins) -> why; each fixes
 # vLLM's CPU build alone, registering nothing of kt-hybrid (pyproject.toml's entry points).
 CPU_ROUTER = "kt_cpu_router"
@@ -168,16 +198,11 @@ RECIPES: dict[str, Recipe] = {
         },
         layers=3,
     ),
-    "DeepseekV3ForCausalLM": Recipe(
-        "deepseek_v3",
-        {
-            "topk_method": "noaux_tc",
-            "n_group": 2,
-            "topk_group": 1,
-            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
-        },
-        layers=3,
-    ),
+    "DeepseekV3ForCausalLM": Recipe("deepseek_v3", _DEEPSEEK_V3, layers=3),
+    # vLLM converts Mistral Large 3's params.json to this very config (deepseek_v3, architectures
+    # MistralLarge3ForCausalLM: transformers_utils/configs/mistral.py); the weights keep transformers'
+    # names, which the class's Mistral-name mapper passes unchanged (its patterns are anchored)
+    "MistralLarge3ForCausalLM": Recipe("deepseek_v3", _DEEPSEEK_V3, layers=3, hf_class="DeepseekV3ForCausalLM"),
     "Qwen3NextForCausalLM": Recipe(
         "qwen3_next",
         _GATED_DELTANET,
@@ -197,6 +222,8 @@ RECIPES: dict[str, Recipe] = {
             "first_k_dense_replace": 1,
             "expert_hidden_dim": 64,
             "route_norm": True,
+            # vLLM builds q/k norms only with it (the released config's key); transformers' class always has them
+            "qk_norm": True,
         },
         layers=3,
     ),
@@ -220,7 +247,8 @@ RECIPES: dict[str, Recipe] = {
     "DbrxForCausalLM": Recipe(
         "dbrx",
         {
-            "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0},
+            # transformers' and vLLM's attention read attn_config.rope_theta, which its defaults lack
+            "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
             "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": NUM_EXPERTS, "moe_top_k": TOP_K},
         },
     ),
@@ -266,7 +294,7 @@ RECIPES: dict[str, Recipe] = {
         "granitemoehybrid",
         {
             "layer_types": ["mamba", "attention"],
-            "mamba_n_heads": 4,
+            "mamba_n_heads": 8,  # x mamba_d_head = mamba_expand (2) x hidden: transformers' check
             "mamba_d_head": 32,
             "mamba_d_state": 16,
             "mamba_n_groups": 1,
@@ -274,18 +302,10 @@ RECIPES: dict[str, Recipe] = {
             "shared_intermediate_size": 64,
         },
     ),
-    "JambaForCausalLM": Recipe(
-        "jamba",
-        {
-            "attn_layer_period": 2,
-            "attn_layer_offset": 1,
-            "expert_layer_period": 2,
-            "expert_layer_offset": 1,
-            "mamba_dt_rank": 8,
-            "mamba_d_state": 16,
-            "use_mamba_kernels": False,
-        },
-    ),
+    "JambaForCausalLM": Recipe("jamba", _JAMBA),
+    # Jamba's decoder under a classification head: vLLM serves it as a pooling model, so the
+    # check's greedy generation is refused (2026-12-07-15.json); Jamba's own row says why neither runs
+    "JambaForSequenceClassification": Recipe("jamba", _JAMBA, hf_class="JambaForSequenceClassification"),
     "LagunaForCausalLM": Recipe(
         "laguna",
         {
@@ -322,23 +342,29 @@ RECIPES: dict[str, Recipe] = {
             "mlp_layer_types": ["dense", "sparse", "sparse"],
             "n_group": 1,
             "topk_group": 1,
+            # a whole, even rotary width (the default 0.334 of 64 is 21), one theta for both kinds
+            "rope_parameters": {kind: dict(_MIMO_ROPE) for kind in ("full_attention", "sliding_attention")},
+            # vLLM reads the released config.json's names of transformers' layer_types,
+            # mlp_layer_types and its sliding layers' attention (twice the KV heads, with sinks)
+            "hybrid_layer_pattern": [0, 1, 1],
+            "moe_layer_freq": [0, 1, 1],
+            "layernorm_epsilon": 1e-5,
+            "sliding_window_size": 64,
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 4,
+            "swa_head_dim": 64,
+            "swa_v_head_dim": 64,
+            "add_swa_attention_sink_bias": True,
+            "rope_theta": _MIMO_ROPE["rope_theta"],
+            "swa_rope_theta": _MIMO_ROPE["rope_theta"],
+            "partial_rotary_factor": _MIMO_ROPE["partial_rotary_factor"],
         },
         layers=3,
+        renames={".self_attn.sinks": ".self_attn.attention_sink_bias"},
     ),
-    "NemotronHForCausalLM": Recipe(
-        "nemotron_h",
-        {
-            "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"],
-            "mamba_num_heads": 4,
-            "mamba_head_dim": 32,
-            "ssm_state_size": 16,
-            "n_groups": 1,
-            "chunk_size": 64,
-            "moe_intermediate_size": 64,
-            "moe_shared_expert_intermediate_size": 64,
-        },
-        layers=4,
-    ),
+    "NemotronHForCausalLM": Recipe("nemotron_h", _NEMOTRON_H, layers=4),
+    # vLLM registers it to NemotronHForCausalLM's class (registry.py): the same model under its own name
+    "NemotronHPuzzleForCausalLM": Recipe("nemotron_h", _NEMOTRON_H, layers=4, hf_class="NemotronHForCausalLM"),
     "PhiMoEForCausalLM": Recipe("phimoe", hf_class="PhimoeForCausalLM"),
     "DeepseekV4ForCausalLM": Recipe(
         "deepseek_v4",
@@ -436,9 +462,35 @@ RECIPES: dict[str, Recipe] = {
         layers=3,
     ),
     "LongcatFlashForCausalLM": Recipe(
-        "longcat_flash", {"zero_expert_num": 4, "ffn_hidden_size": 256, "expert_ffn_hidden_size": 64}
+        "longcat_flash",
+        {
+            "zero_expert_num": 4,
+            "ffn_hidden_size": 256,
+            "expert_ffn_hidden_size": 64,
+            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
+            # vLLM reads these of LongCat's released config.json; transformers' class lacks them
+            # (its zero experts pass the input through; it scales no MLA LoRA norm)
+            "zero_expert_type": "identity",
+            "mla_scale_q_lora": False,
+            "mla_scale_kv_lora": False,
+        },
+        # transformers' save writes gate/up projections of the zero experts (ids 8-11, identity
+        # in vLLM and in the released checkpoint, which has no tensors for them)
+        renames={f".mlp.experts.{i}.": None for i in range(NUM_EXPERTS, NUM_EXPERTS + 4)},
     ),
-    "AXK1ForCausalLM": Recipe("axk1", {"n_group": 2, "topk_group": 1}, layers=3),
+    # Every layer sparse: vLLM builds post_mlp_layernorm on dense layers too, which neither
+    # transformers nor (per transformers' AXK1 docstring) the released checkpoints write for them
+    # ("weights were not initialized: model.layers.0.post_mlp_layernorm.weight", 2026-12-07-15.json)
+    "AXK1ForCausalLM": Recipe(
+        "axk1",
+        {
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "rope_parameters": dict(PLAIN_ROPE_AS_YARN),  # MLA on vLLM's CPU build (tiny_models.py)
+        },
+        layers=3,
+    ),
     "HYV4ForCausalLM": Recipe(
         "hy_v4",
         {
@@ -463,6 +515,7 @@ RECIPES: dict[str, Recipe] = {
 _MTP = "an MTP draft built of the base's decoder layers"
 _EAGLE = "an EAGLE draft built of the base's decoder layers"
 _TEXT = "a multimodal wrapper whose text model is the base's"
+_DFLASH = "a DFlash draft built of the base's decoder layers"
 TAKES_ROW_OF: dict[str, tuple[str, str]] = {
     "DeepSeekMTPModel": ("DeepseekV3ForCausalLM", _MTP),
     "EagleDeepSeekMTPModel": ("DeepseekV3ForCausalLM", _EAGLE),
@@ -474,6 +527,9 @@ TAKES_ROW_OF: dict[str, tuple[str, str]] = {
     "Gemma4MTPModel": ("Gemma4ForCausalLM", _MTP),
     "Qwen3NextMTP": ("Qwen3NextForCausalLM", _MTP),
     "EagleLlama4ForCausalLM": ("Llama4ForCausalLM", _EAGLE),
+    # Mistral Large 3 is DeepSeek-V3 (vLLM converts its config to deepseek_v3): its draft builds deepseek_v2's layers
+    "EagleMistralLarge3ForCausalLM": ("DeepseekV3ForCausalLM", _EAGLE),
+    "DFlashLagunaForCausalLM": ("LagunaForCausalLM", _DFLASH),
     "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", _TEXT),
     "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
 }
