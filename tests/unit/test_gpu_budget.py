@@ -98,6 +98,10 @@ def test_estimate_counts_every_weight_of_the_real_model(arch: str) -> None:
 def test_moe_layers_follow_the_dense_layer_rules() -> None:
     assert estimate_model_memory(TINY["qwen3_moe"].to_dict()).moe_layers == (0, 2)  # mlp_only_layers=[1]
     assert estimate_model_memory(TINY["deepseek_v3"].to_dict()).moe_layers == (1, 2)  # first_k_dense_replace=1
+    # MiMo-V2: a flag per layer (an int here raised TypeError in vllm serve's config check)
+    mimo = {**TINY["qwen3_moe"].to_dict(), "num_hidden_layers": 4, "moe_layer_freq": [0, 1, 1, 0]}
+    del mimo["decoder_sparse_step"]
+    assert estimate_model_memory(mimo).moe_layers == (1, 2)
 
 
 def test_quantized_checkpoints_count_their_stored_bytes() -> None:

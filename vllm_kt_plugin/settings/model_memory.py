@@ -131,10 +131,13 @@ def num_routed_experts(config: Mapping[str, Any]) -> int:
 
 def moe_layer_indices(config: Mapping[str, Any]) -> tuple[int, ...]:
     """Decoder layers with routed experts, by the rules of DeepSeek/GLM
-    (``first_k_dense_replace``, ``moe_layer_freq``), Qwen-MoE (``decoder_sparse_step``,
-    ``mlp_only_layers``) and Mixtral (every layer)."""
+    (``first_k_dense_replace``, ``moe_layer_freq``), MiMo-V2 (``moe_layer_freq`` a flag per
+    layer), Qwen-MoE (``decoder_sparse_step``, ``mlp_only_layers``) and Mixtral (every layer)."""
     text_config = _text_config(config)
     layers = _required(text_config, "num_hidden_layers")
+    flags = text_config.get("moe_layer_freq")
+    if isinstance(flags, (list, tuple)):  # MiMo-V2: vLLM's mimo_v2.is_moe_layer reads it per layer
+        return tuple(i for i in range(min(layers, len(flags))) if flags[i])
     first_dense = int(text_config.get("first_k_dense_replace") or 0)
     every = int(text_config.get("moe_layer_freq") or text_config.get("decoder_sparse_step") or 1)
     dense_only = set(text_config.get("mlp_only_layers") or ())
