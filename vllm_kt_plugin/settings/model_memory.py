@@ -139,7 +139,7 @@ def moe_layer_indices(config: Mapping[str, Any]) -> tuple[int, ...]:
     if isinstance(flags, (list, tuple)):  # MiMo-V2: vLLM's mimo_v2.is_moe_layer reads it per layer
         return tuple(i for i in range(min(layers, len(flags))) if flags[i])
     first_dense = int(text_config.get("first_k_dense_replace") or 0)
-    every = int(text_config.get("moe_layer_freq") or text_config.get("decoder_sparse_step") or 1)
+    every = int(flags or text_config.get("decoder_sparse_step") or 1)
     dense_only = set(text_config.get("mlp_only_layers") or ())
     if "decoder_sparse_step" in text_config:  # Qwen: layer i is sparse when (i + 1) % step == 0
         return tuple(i for i in range(layers) if i not in dense_only and (i + 1) % every == 0)
