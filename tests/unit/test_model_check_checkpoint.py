@@ -1,4 +1,5 @@
-"""The model check's checkpoint writer: tensor names renamed to the released layout."""
+"""The model check's checkpoint writer: tensor names renamed to the released layout; the
+tokenizer and configs vLLM reads besides the weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_kt_tools.model_check.checkpoint import rename_tensors, renamed
+from vllm_kt_tools.model_check.checkpoint import (
+    add_special_tokens,
+    build_config,
+    name_architecture,
+    rename_tensors,
+    renamed,
+)
 from vllm_kt_tools.model_check.recipes import RECIPES
 
 
@@ -41,3 +48,53 @@ def test_a_part_renamed_to_none_drops_its_tensors(tmp_path: Path) -> None:
     save_file({"a.experts.8.w": torch.ones(1), "a.experts.1.w": torch.zeros(1)}, tmp_path / "m.safetensors")
     rename_tensors(tmp_path, {".experts.8.": None})
     assert sorted(load_file(tmp_path / "m.safetensors")) == ["a.experts.1.w"]
+
+
+def test_special_tokens_a_renderer_needs_are_in_the_tokenizer_and_the_vocab(tmp_path: Path) -> None:
+    """vLLM's Inkling renderer looks its special tokens up in the tokenizer at start; the tiny
+    config's vocabulary covers them."""
+    from transformers import AutoTokenizer
+
+    recipe = RECIPES["InklingForCausalLM"]
+    size = add_special_tokens(tmp_path, recipe.special_tokens)
+    vocab = AutoTokenizer.from_pretrained(tmp_path).get_vocab()
+    assert all(0 <= vocab[token] < size for token in recipe.special_tokens)
+    assert build_config("InklingForCausalLM", recipe, size).vocab_size == size
+
+
+def test_a_nested_text_config_keeps_its_model_type() -> None:
+    """Aria's config builds its text config of a dict only where the dict names its model_type."""
+    config = build_config("AriaForConditionalGeneration", RECIPES["AriaForConditionalGeneration"], 512)
+    assert type(config.text_config).__name__ == "AriaTextConfig" and config.text_config.hidden_size == 128
+    assert config.vision_config.num_hidden_layers == 1
+
+
+def test_a_token_a_processor_reads_is_a_tokenizer_attribute_and_its_id_in_the_config(tmp_path: Path) -> None:
+    """vLLM's Aria processor reads ``tokenizer.image_token``; the config's image_token_index is its id."""
+    from transformers import AutoTokenizer
+
+    recipe = RECIPES["AriaForConditionalGeneration"]
+    size = add_special_tokens(tmp_path, recipe.special_tokens, recipe.named_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.image_token == recipe.named_tokens["image_token"] and tokenizer.image_token_id == size - 1
+    assert recipe.token_ids == {"image_token_index": tokenizer.image_token}
+
+
+def test_the_config_names_the_architecture_not_the_class_that_wrote_the_weights(tmp_path: Path) -> None:
+    """transformers' save_pretrained writes its class's name; vLLM would resolve that class, not
+    the registry architecture a recipe's ``hf_class`` stands in for."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["AriaForConditionalGeneration"], "x": 1}))
+    name_architecture(tmp_path, "TransformersMultiModalMoEForCausalLM")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written == {"architectures": ["TransformersMultiModalMoEForCausalLM"], "x": 1}
+
+
+def test_the_tiny_phimoe_has_the_biases_vllm_builds() -> None:
+    """vLLM's PhiMoE (phimoe.py) builds q/k/v/o_proj's and lm_head's biases whatever the config
+    says; a checkpoint without them leaves them uninitialised and plain vLLM's logits NaN."""
+    from transformers import PhimoeForCausalLM
+
+    config = build_config("PhiMoEForCausalLM", RECIPES["PhiMoEForCausalLM"], 512)
+    names = set(PhimoeForCausalLM(config).state_dict())
+    wanted = {"lm_head.bias"} | {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
+    assert wanted <= names, sorted(wanted - names)

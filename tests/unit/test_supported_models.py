@@ -65,9 +65,75 @@ def test_a_row_taken_from_another_is_built_on_its_moe_layers() -> None:
     rows = {row.architecture: row for row in supported_models.rows()}
     for arch, (base, _) in TAKES_ROW_OF.items():
         base_module = _VLLM_MODELS[base][0]
-        assert base_module in supported_models.reused_moe_modules(_VLLM_MODELS[arch][0]), (arch, base)
+        if _VLLM_MODELS[arch][0] == base_module:  # the same module: a subclass of the base's class
+            assert issubclass(_model_class(arch), _model_class(base)), (arch, base)
+        else:
+            assert base_module in supported_models.reused_moe_modules(_VLLM_MODELS[arch][0]), (arch, base)
         if rows[arch].detail.startswith(f"as `{base}`"):
             assert rows[base].status == supported_models.SERVED, (arch, base)
+
+
+def _model_class(architecture: str) -> type:
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    module, cls = _VLLM_MODELS[architecture]
+    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    return getattr(importlib.import_module(name), cls)
+
+
+def test_a_draft_follows_its_base() -> None:
+    """A draft or wrapper (DRAFT_OF) is in its base's module or imports it, and where its own
+    run gave it no status: cannot be checked here with the base's reason where the base cannot
+    be, else not checked, naming the base (a served base's row is taken only by TAKES_ROW_OF)."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from vllm_kt_tools.model_check.recipes import DRAFT_OF
+
+    rows = {row.architecture: row for row in supported_models.rows()}
+    assert not set(DRAFT_OF) & set(TAKES_ROW_OF)
+    followed = [a for a, (b, kind) in DRAFT_OF.items() if rows[a].detail.startswith(f"{kind} of `{b}`")]
+    assert followed  # the rule below is exercised on the committed rows
+    for arch, (base, kind) in DRAFT_OF.items():
+        module, base_module = _VLLM_MODELS[arch][0], _VLLM_MODELS[base][0]
+        assert module == base_module or base_module in supported_models.reused_moe_modules(module), (arch, base)
+        if rows[arch].detail.startswith(f"{kind} of `{base}`"):
+            base_row = rows[base]
+            if base_row.status == supported_models.CANNOT_CHECK:
+                assert rows[arch].status == supported_models.CANNOT_CHECK and base_row.detail in rows[arch].detail
+            else:
+                assert rows[arch].status == supported_models.NOT_CHECKED, arch
+    base = supported_models.Row("B", "b", supported_models.CANNOT_CHECK, "", "plain vLLM fails here: E")
+    draft = supported_models._draft_row(
+        supported_models.Row("D", "d", "not checked", "", ""), "B", "an MTP draft", base
+    )
+    assert draft.status == supported_models.CANNOT_CHECK and draft.detail.endswith("plain vLLM fails here: E")
+    served = supported_models.Row("B", "b", supported_models.SERVED, "kt_kernel", "x")
+    assert supported_models._draft_row(draft, "B", "an MTP draft", served).status == supported_models.NOT_CHECKED
+
+
+def test_why_an_architecture_cannot_be_checked_is_measured() -> None:
+    """With no recipe: vLLM's CPU stub of a model class gives its own NotImplementedError; an
+    architecture transformers ships no model class of cannot be written (checkpoint.py draws
+    its weights with that class), its config class looked up where its model_type is known;
+    a KeyError loading a checkpoint of the released tensor names is vLLM's loader's."""
+    from vllm_kt_tools.model_check import run
+
+    assert "not implemented on CPU" in (run.refuses_this_platform("DeepSeekV4MTPModel") or "")
+    assert run.refuses_this_platform("MixtralForCausalLM") is None  # a real class: no stub
+    assert "ships no `BailingMoeForCausalLM` model class" in (run.unbuildable("BailingMoeForCausalLM") or "")
+    assert "nor a config class for its model_type 'bailing_moe'" in (run.unbuildable("BailingMoeForCausalLM") or "")
+    assert "its config class: vLLM's KimiK3Config" in (run.unbuildable("KimiK3ForConditionalGeneration") or "")
+    assert run.unbuildable("MixtralForCausalLM") is None and run.unbuildable("TransformersMoEForCausalLM") is None
+    assert run.config_class("mixtral") == "transformers' MixtralConfig" and run.config_class("no_such_type") is None
+    released = run.plain_failure_reason(RECIPES["DbrxForCausalLM"], "KeyError: 'a'")
+    assert run.plain_failure_status(released) == run.CANNOT_CHECK
+    missing = "ValueError: There is no module or parameter named 'score' in X"
+    assert run.plain_failure_status(run.plain_failure_reason(RECIPES["DbrxForCausalLM"], missing)) == run.CANNOT_CHECK
+    for error in ("KeyError: 'a'", missing):
+        ours = run.plain_failure_reason(RECIPES["MixtralForCausalLM"], error)
+        assert run.plain_failure_status(ours) == run.NO_RECIPE
 
 
 def test_json_written_by_the_tool_round_trips(tmp_path: Path) -> None:

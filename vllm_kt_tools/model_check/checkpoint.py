@@ -27,6 +27,8 @@ TRAIN_STEPS = 200
 # Where transformers' model class cannot train (on this CPU, in this time), random weights
 # with this std instead of initializer_range's 0.02: their logits spread more.
 WEIGHT_STD = 0.1
+# Recipe fields out of its repr that shape the checkpoint (tokenizer, processor config).
+INPUT_FIELDS = ("image_processor", "special_tokens", "named_tokens", "token_ids")
 _META = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype"}
 
 
@@ -43,7 +45,9 @@ def build_config(architecture: str, recipe: Recipe, vocab_size: int) -> Any:
     text_defaults = defaults.get("text_config")
     if isinstance(text_defaults, dict):
         text = {**shrink(text_defaults, recipe.layers), **recipe.config, **tokens}
-        kwargs = {"text_config": _changed(text_defaults, text) | {"vocab_size": vocab_size}, **recipe.outer}
+        # the text config's model_type too: some outer classes (Aria's) build a text config of a dict only with it
+        kept = {"vocab_size": vocab_size, **{k: v for k, v in text_defaults.items() if k == "model_type"}}
+        kwargs = {"text_config": _changed(text_defaults, text) | kept, **recipe.outer}
     else:
         values = {**shrink(defaults, recipe.layers), **recipe.config, **tokens}
         kwargs = {**_changed(defaults, values), **recipe.outer}
@@ -115,6 +119,18 @@ def rename_tensors(out: Path, renames: Any) -> None:
         index.write_text(json.dumps(data, indent=2))
 
 
+def add_special_tokens(out: Path, tokens: tuple[str, ...], named: Any = None) -> int:
+    """The tiny tokenizer in ``out`` with ``tokens`` added as special tokens, and ``named``'s
+    (attribute -> token: transformers' extra special tokens) too; its size."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(out, extra_special_tokens=dict(named or {}))
+    tokenizer.add_special_tokens({"additional_special_tokens": [*tokens, *dict(named or {}).values()]})
+    tokenizer.save_pretrained(out)
+    return len(tokenizer)
+
+
 def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> Path:
     """The tiny ``architecture`` model of its recipe, in ``out_dir``."""
     import torch
@@ -123,8 +139,11 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     torch.set_num_threads(1)  # a tiny model: more threads only contend on a busy machine
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tokenizer(out)
+    added = recipe.special_tokens or recipe.named_tokens
+    vocab_size = add_special_tokens(out, recipe.special_tokens, recipe.named_tokens) if added else write_tokenizer(out)
     config = build_config(architecture, recipe, vocab_size)
+    for key, token in recipe.token_ids.items():
+        setattr(config, key, tokenizer_of(out).convert_tokens_to_ids(token))
     torch.manual_seed(seed)
     model = _model_class(architecture, recipe)._from_config(config, dtype=torch.float32)
     _router_biases(model, seed)
@@ -143,18 +162,32 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     model.config.dtype = "bfloat16"
     model.config.architectures = [architecture]
     model.save_pretrained(out, safe_serialization=True)
+    name_architecture(out, architecture)
     if recipe.renames:
         rename_tensors(out, recipe.renames)
     if recipe.config_json:
         written = json.loads((out / "config.json").read_text())
         merged = {**written, **recipe.config_json}
         (out / "config.json").write_text(json.dumps({k: v for k, v in merged.items() if v is not None}, indent=2))
+    if recipe.image_processor:
+        import transformers
+
+        getattr(transformers, recipe.image_processor)().save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 4, "do_sample": False}))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "MODEL_CHECK.json").write_text(
         json.dumps({"architecture": architecture, "version": CHECKPOINT_VERSION, "weights": weights})
     )
     return out
+
+
+def name_architecture(out: Path, architecture: str) -> None:
+    """config.json names ``architecture``: transformers' save_pretrained writes its model class's
+    name there, which vLLM resolves instead where the recipe's ``hf_class`` is another class."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures") != [architecture]:
+        path.write_text(json.dumps({**config, "architectures": [architecture]}, indent=2))
 
 
 def tokenizer_of(model_dir: Path) -> Any:
@@ -172,8 +205,12 @@ def checkpoint_dir(architecture: str, root: str | Path) -> Path:
     """``root/<architecture>-<hash of its recipe and CHECKPOINT_VERSION>``, written on first use."""
     recipe = RECIPES[architecture]
     made = f"{CHECKPOINT_VERSION} {WEIGHT_STD} {train_steps(recipe)} {recipe!r}"
+    inputs = {name: getattr(recipe, name) for name in INPUT_FIELDS if getattr(recipe, name)}
+    if inputs:  # only where set: the other recipes' keys stay as they were
+        made += f" {inputs!r}"
     key = hashlib.sha256(made.encode()).hexdigest()[:10]
     out = Path(root) / f"{architecture}-{key}"
     if not (out / "MODEL_CHECK.json").exists():
         write_checkpoint(architecture, out)
+    name_architecture(out, architecture)  # one cached before it named the architecture: the weights stand
     return out

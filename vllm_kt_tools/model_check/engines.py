@@ -73,12 +73,21 @@ def in_process_answers(
     """Runs in the child process (``in_process``): plain vLLM's answers per dtype, its
     plugin not loaded (``VLLM_PLUGINS=""``); then, with ``kt_float32`` (KT_* settings), the
     plugin registered and kt-hybrid's float32 answers scoring plain vLLM's float32 tokens
-    (an error there is returned, not raised: plain vLLM's answers stand)."""
+    (an error there is returned, not raised: plain vLLM's answers stand). Plain vLLM failing
+    in float32 after bf16 answered is returned too (``float32_error``): its bf16 check stands."""
     from vllm_kt_plugin.hybrid.vllm_compat import ask_for_amx_tiles
 
     ask_for_amx_tiles()  # the engine runs in this process; eager vLLM does not ask (AMX CPUs die of SIGILL)
-    answers: dict[str, Any] = {dtype: _engine_answers(model, prompts, max_tokens, dtype, None) for dtype in dtypes}
-    if kt_float32 is not None:
+    answers: dict[str, Any] = {}
+    for dtype in dtypes:
+        if dtype == "float32" and "bfloat16" in answers:
+            try:  # plain vLLM may run bf16 only (e.g. bf16-only attention kernels): measured, not fatal
+                answers[dtype] = _engine_answers(model, prompts, max_tokens, dtype, None)
+            except Exception as error:  # noqa: BLE001 - the caller records it as the float32 reason
+                answers["float32_error"] = f"{type(error).__name__}: {error}".splitlines()[0][:400]
+            continue
+        answers[dtype] = _engine_answers(model, prompts, max_tokens, dtype, None)
+    if kt_float32 is not None and "float32" in answers:
         import vllm_kt_plugin
 
         os.environ.update(kt_float32)

@@ -93,6 +93,23 @@ class Recipe:
     # vllm.general_plugins the plain-vLLM reference loads (REFERENCE_PLUGINS: why), where vLLM's
     # CPU build cannot run the architecture alone. Not in the repr: the weights do not depend on it.
     reference_plugins: tuple[str, ...] = field(default=(), repr=False)
+    # The next four shape the checkpoint but stay out of the repr: checkpoint.checkpoint_dir adds
+    # them to the cache key only where set, so the other recipes' cached models keep their keys.
+    # transformers' image processor class whose config the checkpoint carries (vLLM's multimodal
+    # models load it at start even for text prompts)
+    image_processor: str | None = field(default=None, repr=False)
+    # special tokens added to the tiny tokenizer, where vLLM's renderer of the architecture
+    # looks them up at start
+    special_tokens: tuple[str, ...] = field(default=(), repr=False)
+    # tokenizer attributes (transformers' extra special tokens, added too) -> token, where vLLM's
+    # processor of the architecture reads one (Aria's: tokenizer.image_token)
+    named_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # config keys (outer level) -> the added token whose id they hold (e.g. the image token's index)
+    token_ids: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # The saved tensor names are the released checkpoint's own (no renames needed): a KeyError
+    # of plain vLLM's loader on them is vLLM's, not the recipe's (run.plain_failure_reason).
+    # Not in the repr: the weights do not depend on it.
+    released_names: bool = field(default=False, repr=False)
 
 
 def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
@@ -163,6 +180,34 @@ _JAMBA = {
     "mamba_dt_rank": 8,
     "mamba_d_state": 16,
     "use_mamba_kernels": False,
+}
+_INKLING_TOKENS = tuple(
+    f"<|{name}|>"
+    for name in (
+        "message_user",
+        "message_model",
+        "message_system",
+        "message_tool",
+        "content_text",
+        "content_image",
+        "content_model_end_sampling",
+        "content_thinking",
+        "content_audio_input",
+        "content_xml",
+        "content_invoke_tool_json",
+        "end_message",
+        "audio_end",
+    )
+)
+# Aria's vision tower (idefics3's) at its smallest: the check feeds text only
+_ARIA_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}
+# what vLLM's Aria processor loads at start, text prompts too: the image processor's config and
+# the tokenizer's image token (2026-12-07-20.json, 2026-12-07-21.json: "Can't load image processor",
+# "TokenizersBackend has no attribute image_token"), whose id the config's image_token_index holds
+_ARIA_INPUTS: dict[str, Any] = {
+    "image_processor": "AriaImageProcessor",
+    "named_tokens": {"image_token": "<|img|>"},
+    "token_ids": {"image_token_index": "<|img|>"},
 }
 _MIMO_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 
@@ -244,6 +289,10 @@ RECIPES: dict[str, Recipe] = {
         "cohere2_moe",
         {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["sparse"] * 2, "logit_scale": 1.0},
     ),
+    # transformers saves DBRX's experts as the released checkpoints do (``transformer.blocks.N.ffn
+    # .experts.mlp.w1``/``v1``/``w2``, the names vLLM's dbrx.py load_weights maps): its KeyError on
+    # them (2026-12-07-12.json) is vLLM's loader, which looks the fused name up without the
+    # ``routed_experts.`` that FusedMoEFactory's runner puts before its parameters
     "DbrxForCausalLM": Recipe(
         "dbrx",
         {
@@ -251,6 +300,7 @@ RECIPES: dict[str, Recipe] = {
             "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
             "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": NUM_EXPERTS, "moe_top_k": TOP_K},
         },
+        released_names=True,
     ),
     "Ernie4_5_MoeForCausalLM": Recipe(
         "ernie4_5_moe",
@@ -365,7 +415,9 @@ RECIPES: dict[str, Recipe] = {
     "NemotronHForCausalLM": Recipe("nemotron_h", _NEMOTRON_H, layers=4),
     # vLLM registers it to NemotronHForCausalLM's class (registry.py): the same model under its own name
     "NemotronHPuzzleForCausalLM": Recipe("nemotron_h", _NEMOTRON_H, layers=4, hf_class="NemotronHForCausalLM"),
-    "PhiMoEForCausalLM": Recipe("phimoe", hf_class="PhimoeForCausalLM"),
+    # vLLM's PhiMoE builds the attention projections' and lm_head's biases unconditionally (as the
+    # released config: both true); transformers' defaults (false) leave them uninitialised: NaN logits
+    "PhiMoEForCausalLM": Recipe("phimoe", {"attention_bias": True, "lm_head_bias": True}, hf_class="PhimoeForCausalLM"),
     "DeepseekV4ForCausalLM": Recipe(
         "deepseek_v4",
         {
@@ -491,6 +543,55 @@ RECIPES: dict[str, Recipe] = {
         },
         layers=3,
     ),
+    # gpt-oss's decoder under a token-classification head: a pooling model in vLLM (as Jamba's classifier)
+    "OpenAIPrivacyFilterForTokenClassification": Recipe("openai_privacy_filter"),
+    "AriaForConditionalGeneration": Recipe(
+        "aria", {"moe_num_shared_experts": 1}, outer={"vision_config": _ARIA_VISION}, **_ARIA_INPUTS
+    ),
+    # vLLM's Transformers backend under its own registry names: the tiny config names the
+    # backend class (vLLM resolves it as it would a model run with --model-impl transformers);
+    # transformers' class of the wrapped model writes the weights
+    # transformers' classifier head is ``score`` (Qwen3-MoE's and most decoders' released
+    # classifiers), which vLLM's backend holds as ``classifier`` and does not map (2026-12-07-23.json)
+    "TransformersMoEForSequenceClassification": Recipe(
+        "qwen3_moe", {"norm_topk_prob": True}, hf_class="Qwen3MoeForSequenceClassification", released_names=True
+    ),
+    "TransformersMoEEmbeddingModel": Recipe("qwen3_moe", {"norm_topk_prob": True}, hf_class="Qwen3MoeModel"),
+    "TransformersMultiModalMoEForCausalLM": Recipe(
+        "aria",
+        {"moe_num_shared_experts": 1},
+        outer={"vision_config": _ARIA_VISION},
+        hf_class="AriaForConditionalGeneration",
+        **_ARIA_INPUTS,
+    ),
+    "InklingForCausalLM": Recipe(
+        "inkling_text",
+        {
+            "layer_types": ["hybrid_sliding", "hybrid"],
+            "mlp_layer_types": ["sparse", "sparse"],
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 2,
+            "swa_head_dim": 32,
+            "sliding_window_size": 64,
+            "n_shared_experts": 1,
+            "rel_extent": 64,
+        },
+        # vLLM's Inkling renderer (renderers/inkling_encoding.py SPECIAL_TOKEN_SPELLINGS) refuses a
+        # tokenizer without them ("Inkling tokenizer is missing special tokens", 2026-12-07-20.json)
+        special_tokens=_INKLING_TOKENS,
+        # vLLM's config class of it (vllm/models/inkling/configs.py, which reads transformers' keys
+        # too): with transformers' InklingTextConfig vLLM's model finds no padded_vocab_size
+        # transformers' class always builds the embedding norm, the K/V short convolutions, the
+        # routers' global scale and correction bias, and routes by sigmoid: vLLM builds them on these
+        config_json={
+            "model_type": "inkling_model",
+            "use_embed_norm": True,
+            "use_sconv": True,
+            "use_global_scale": True,
+            "use_gate_bias": True,
+            "gate_activation": "sigmoid",
+        },
+    ),
     "HYV4ForCausalLM": Recipe(
         "hy_v4",
         {
@@ -526,10 +627,57 @@ TAKES_ROW_OF: dict[str, tuple[str, str]] = {
     "HYV3MTPModel": ("HYV3ForCausalLM", _MTP),
     "Gemma4MTPModel": ("Gemma4ForCausalLM", _MTP),
     "Qwen3NextMTP": ("Qwen3NextForCausalLM", _MTP),
+    "NemotronHMTPModel": ("NemotronHForCausalLM", _MTP),  # served on the CUDA build (cuda-host/)
     "EagleLlama4ForCausalLM": ("Llama4ForCausalLM", _EAGLE),
     # Mistral Large 3 is DeepSeek-V3 (vLLM converts its config to deepseek_v3): its draft builds deepseek_v2's layers
     "EagleMistralLarge3ForCausalLM": ("DeepseekV3ForCausalLM", _EAGLE),
     "DFlashLagunaForCausalLM": ("LagunaForCausalLM", _DFLASH),
     "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", _TEXT),
     "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
+}
+_SUBCLASS = "a subclass of the base's class in its module (its own packed-modules mapping only)"
+TAKES_ROW_OF["MiMoV2ForCausalLM"] = ("MiMoV2FlashForCausalLM", _SUBCLASS)
+
+# Drafts and wrappers that run only beside or around their base (an MTP/DFlash draft is a
+# speculative head of its target; a multimodal wrapper builds the base's text model): where
+# the base cannot be checked here, neither can they, for the base's measured reason; where the
+# base is not checked yet, they follow it once it is (supported_models.rows). A served base's
+# row is taken only through TAKES_ROW_OF (its MoE layer class reused).
+_DRAFT = "an MTP draft"
+_WRAPPER = "a multimodal wrapper"
+DRAFT_OF: dict[str, tuple[str, str]] = {
+    "BailingMoeV25MTPModel": ("BailingMoeV2_5ForCausalLM", _DRAFT),
+    "BailingMoeV3MTPModel": ("BailingMoeV3ForCausalLM", _DRAFT),
+    "DSparkDraftModel": ("DeepseekV4ForCausalLM", "a DSpark draft"),
+    "DeepSeekV4MTPModel": ("DeepseekV4ForCausalLM", _DRAFT),
+    "DeepseekV4ForConditionalGeneration": ("DeepseekV4ForCausalLM", _WRAPPER),
+    "DeepseekV32MTPModel": ("DeepseekV32ForCausalLM", _DRAFT),
+    "HYV4MTPModel": ("HYV4ForCausalLM", _DRAFT),
+    "InklingMTPModel": ("InklingForCausalLM", _DRAFT),
+    "InklingForConditionalGeneration": ("InklingForCausalLM", _WRAPPER),
+    "KimiK3MTPModel": ("KimiK3ForConditionalGeneration", _DRAFT),
+    "LongCatFlashMTPModel": ("LongcatFlashForCausalLM", _DRAFT),
+    # its MTP layers build MiMoV2MLP (dense), not mimo_v2's MoE layer: no row of the served base;
+    # nor can its weights be written (transformers' MiMoV2Flash class drops ``model.mtp.``: 2026-12-07-25.json)
+    "MiMoV2MTPModel": ("MiMoV2FlashForCausalLM", _DRAFT),
+    "MiMoV2OmniMTPModel": ("MiMoV2FlashForCausalLM", _DRAFT),
+    # vLLM's speculative config turns pangu_ultra_moe configs into this draft (config/speculative.py)
+    "OpenPanguMTPModel": ("PanguUltraMoEForCausalLM", _DRAFT),
+    "Step3p5MTP": ("Step3p5ForCausalLM", _DRAFT),
+}
+
+# The model_type the released checkpoints' config.json names, for architectures with no
+# recipe, where vLLM's own code names it (config/speculative.py, its config registry) or
+# public copies of the released config.json do (bailing_moe, deepseek): run.unbuildable looks
+# its config class up in transformers and in vLLM's config registry, and says which it found.
+CONFIG_MODEL_TYPES: dict[str, str] = {
+    "BailingMoeForCausalLM": "bailing_moe",
+    "BailingMoeV2ForCausalLM": "bailing_moe",
+    "BailingMoeV2_5ForCausalLM": "bailing_hybrid",
+    "BailingMoeV3ForCausalLM": "bailing_hybrid",
+    "DeepseekForCausalLM": "deepseek",
+    "KimiK3ForConditionalGeneration": "kimi_k3",
+    "PanguUltraMoEForCausalLM": "pangu_ultra_moe",
+    "Step3TextForCausalLM": "step3_text",
+    "Step3p5ForCausalLM": "step3p5",
 }

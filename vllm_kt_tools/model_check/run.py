@@ -10,7 +10,8 @@ in float32 with the torch backend. The verdict:
   logprob drift within TIE_GAP, and float32 tokens equal with drift within
   FLOAT32_DRIFT_BOUND (where plain vLLM runs float32);
 - refused at config time: kt-hybrid's server stopped with its one-line config error;
-- cannot be checked here: plain vLLM itself fails on this machine's vLLM build (its error);
+- cannot be checked here: plain vLLM itself fails on this machine's vLLM build (its error; where
+  it rejected the tiny model itself, the error of plain vLLM with its own dummy weights: ``probe``);
 - failed: anything else (a bug to fix).
 
 Plain vLLM loads no plugin, or only the fixes of vLLM's CPU build its recipe names
@@ -29,9 +30,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.model_check import compare, engines
+from vllm_kt_tools.model_check import compare, engines, probe
 from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
-from vllm_kt_tools.model_check.recipes import NUM_EXPERTS, RECIPES, REFERENCE_PLUGINS, Recipe
+from vllm_kt_tools.model_check.recipes import CONFIG_MODEL_TYPES, NUM_EXPERTS, RECIPES, REFERENCE_PLUGINS, Recipe
 from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
@@ -123,11 +124,13 @@ def check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
 
 
 # Plain vLLM rejecting the tiny model itself (its config lacks a field vLLM reads, a weight
-# vLLM looks for is not in it, a size its kernels do not take): the recipe's fault, not
+# vLLM looks for is not in it or one it holds is not vLLM's, a size its kernels do not take, a
+# processor file or special token vLLM loads at start is missing): the recipe's fault, not
 # something this vLLM build cannot run.
 _TINY_MODEL_REJECTED = re.compile(
     r"plain vLLM fails here: (AttributeError: '\w+Config' object has no attribute|KeyError: '|ValueError: The `"
-    r"|ValueError: Unsupported head_dim)"
+    r"|ValueError: Unsupported head_dim|OSError: Can't load image processor"
+    r"|ValueError: \w+ tokenizer is missing special tokens|ValueError: There is no module or parameter named)"
 )
 
 
@@ -135,6 +138,35 @@ def plain_failure_status(reason: str) -> str:
     """CANNOT_CHECK where plain vLLM cannot run the architecture here; NO_RECIPE where it
     rejected our tiny model (``_TINY_MODEL_REJECTED``): the row is then not checked yet."""
     return NO_RECIPE if _TINY_MODEL_REJECTED.match(reason) else CANNOT_CHECK
+
+
+def refuses_this_platform(architecture: str) -> str | None:
+    """The NotImplementedError vLLM's model class raises on construction where this build
+    ships only a stub of it (e.g. DeepSeek-V4's CPU MTP draft), or None. The class is built
+    with no config: a real model class fails otherwise (ignored) before allocating anything."""
+    import importlib
+
+    from vllm_kt_tools.support.vllm_internals import registry_models
+
+    module, cls = registry_models()[architecture]
+    if module == "transformers":
+        return None
+    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    try:
+        getattr(importlib.import_module(name), cls)(vllm_config=None, prefix="")
+    except NotImplementedError as error:
+        return f"NotImplementedError: {error}"[:400]
+    except Exception:  # noqa: BLE001 - a real model class rejecting no config: not a stub
+        return None
+    return None
+
+
+def plain_failure_reason(recipe: Recipe, error: str) -> str:
+    """The row's reason for plain vLLM's ``error``; a recipe saving the released tensor names
+    (``Recipe.released_names``) makes vLLM's loader missing one of them this build's, not the recipe's."""
+    if recipe.released_names and error.startswith(("KeyError: ", "ValueError: There is no module or parameter named")):
+        return f"plain vLLM fails here on the released checkpoint's tensor names: {error}"
+    return f"plain vLLM fails here: {error}"
 
 
 def import_failure(architecture: str) -> str | None:
@@ -151,6 +183,43 @@ def import_failure(architecture: str) -> str | None:
     except Exception as error:  # noqa: BLE001 - whatever stops the import is the reason
         return f"{type(error).__name__}: {error}"[:400]
     return None
+
+
+def config_class(model_type: str) -> str | None:
+    """The config class transformers or vLLM's config registry ships for ``model_type``, or None."""
+    from transformers import AutoConfig
+
+    from vllm_kt_tools.support.vllm_internals import config_registry
+
+    try:
+        return f"transformers' {type(AutoConfig.for_model(model_type)).__name__}"
+    except ValueError:  # "Unrecognized model identifier": not in transformers' CONFIG_MAPPING
+        pass
+    try:
+        return f"vLLM's {config_registry()[model_type].__name__}"
+    except KeyError:
+        return None
+
+
+def unbuildable(architecture: str) -> str | None:
+    """Why no tiny model of ``architecture`` can be written here (checkpoint.py draws the weights
+    with transformers' model class of it), or None where transformers ships that class."""
+    import transformers
+
+    from vllm_kt_tools.support.vllm_internals import registry_models
+
+    if registry_models()[architecture][0] == "transformers" or hasattr(transformers, architecture):
+        return None  # vLLM's Transformers backend (any transformers model), or a class to write it
+    reason = f"transformers {transformers.__version__} ships no `{architecture}` model class to write its weights"
+    model_type = CONFIG_MODEL_TYPES.get(architecture)
+    if model_type is not None:
+        found = config_class(model_type)
+        reason += (
+            f" (its config class: {found})"
+            if found
+            else f", nor a config class for its model_type '{model_type}' (neither does vLLM's config registry)"
+        )
+    return reason
 
 
 def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
@@ -175,6 +244,12 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
         failure = import_failure(architecture)
         if failure is not None:
             return {"status": CANNOT_CHECK, "reason": f"vLLM's model class does not import here: {failure}"}
+        stub = refuses_this_platform(architecture)
+        if stub is not None:
+            return {"status": CANNOT_CHECK, "reason": f"vLLM's model class refuses this platform: {stub}"}
+        reason = unbuildable(architecture)
+        if reason is not None:
+            return {"status": CANNOT_CHECK, "reason": f"no tiny model can be written: {reason}"}
         return {"status": NO_RECIPE, "reason": "no tiny model of it yet (model_check/recipes.py)"}
     model = checkpoint_dir(architecture, models)
     prompts = prompt_ids(model)
@@ -187,7 +262,15 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     try:
         plain = engines.in_process(model, prompts, MAX_TOKENS, dtypes, kt_float32, plain_log, recipe.reference_plugins)
     except engines.EngineFailed as failed:
-        reason = f"plain vLLM fails here: {last_error_line(failed.log)}"
+        reason = plain_failure_reason(recipe, last_error_line(failed.log))
+        # (a reference needing our fixes of vLLM's CPU build is not probed: the probe loads none)
+        if plain_failure_status(reason) == NO_RECIPE and not recipe.reference_plugins:
+            # the tiny model rejected: does plain vLLM run the architecture at all, names aside?
+            dummy = probe.with_dummy_weights(model, prompts, logs / f"{architecture}-plain-dummy.log")
+            error = last_error_line(dummy) if dummy is not None else None
+            if error is not None and plain_failure_status(f"plain vLLM fails here: {error}") == CANNOT_CHECK:
+                out["tiny_model_rejected"] = reason
+                reason = f"plain vLLM fails here with vLLM's own dummy weights: {error}"
         return {**out, "status": plain_failure_status(reason), "reason": reason}
     checks = {}
     log = logs / f"{architecture}-kt-bfloat16.log"
@@ -196,7 +279,9 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     except engines.EngineFailed as failed:
         return {**out, **_engine_failure("bfloat16", failed.log)}
     checks["bfloat16"] = _comparison(got, plain["bfloat16"], BF16_DRIFT_BOUND, False, log.read_text(errors="replace"))
-    if recipe.float32:
+    if recipe.float32 and "float32_error" in plain:
+        out["float32"] = f"plain vLLM float32 fails here: {plain['float32_error']}"
+    elif recipe.float32:
         if "kt_float32" not in plain:
             return {**out, "checks": checks, **_engine_failure("float32", plain_log.read_text(errors="replace"))}
         float32_log = plain_log.read_text(errors="replace")
@@ -218,8 +303,12 @@ def machine() -> dict[str, Any]:
         variant = str(prepare_kt_kernel().__cpu_variant__)
     except Exception as error:  # noqa: BLE001 - recorded, not fatal: the torch backend still runs
         variant = f"unavailable ({error})"
+    from vllm.platforms import current_platform
+
     return {
         "vllm": vllm.__version__,
+        "vllm_build": current_platform.device_type,  # "cpu" or "cuda": which build both sides ran on
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "kt_kernel_variant": variant,
         "cpu": platform.processor() or platform.machine(),

@@ -10,7 +10,9 @@ Each row's status comes from the JSON files ``vllm-kt check-models`` wrote under
 ``docs/model_checks/`` (``vllm_kt_tools.model_check``; a later file's entry for an
 architecture replaces an earlier one's, numbers in names compared as numbers), or from the
 row of the architecture it takes (``model_check.recipes.TAKES_ROW_OF``: the same class under another registry name, or a
-draft or wrapper built on a served architecture's MoE layer class). The five architectures
+draft or wrapper built on a served architecture's MoE layer class), or, for a draft or wrapper
+with no status of its own, from its base's (``model_check.recipes.DRAFT_OF``: it runs only with
+the base, so a base that cannot be checked here makes it so). The five architectures
 the end-to-end tests train also say what else those tests check. README.md holds a short
 summary between its markers, docs/supported_models.md every row;
 ``tests/unit/test_supported_models.py`` checks both equal what this module generates.
@@ -190,13 +192,26 @@ def committed_runs(folder: Path | None = None) -> list[Path]:
     return sorted(paths, key=lambda p: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p.name)])
 
 
+# Runs of vLLM's CUDA build on the GPU host (benchmarks/sittings/model-check-cuda.sh), beside the CPU runs.
+CUDA_RUNS = "cuda-host"
+
+
 def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
-    """Architecture -> its latest result among the committed runs (``committed_runs``' order)."""
+    """Architecture -> its latest result among the committed runs (``committed_runs``' order);
+    then, for an architecture no CPU run serves, a CUDA run's where it is served (the CPU build
+    cannot run it; its other CUDA outcomes are in that folder's README, not the table)."""
+    folder = folder or results_folder()
     results: dict[str, dict[str, Any]] = {}
     for path in committed_runs(folder):
         run = json.loads(path.read_text())
         for arch, result in run["architectures"].items():
-            results[arch] = {**result, "run": path.name}
+            results[arch] = {**result, "run": path.name, "machine": run.get("machine", {})}
+    cuda = folder / CUDA_RUNS
+    for path in committed_runs(cuda) if cuda.is_dir() else []:
+        run = json.loads(path.read_text())
+        for arch, result in run["architectures"].items():
+            if result["status"] == "served" and results.get(arch, {}).get("status") != "served":
+                results[arch] = {**result, "run": f"{CUDA_RUNS}/{path.name}", "machine": run.get("machine", {})}
     return results
 
 
@@ -224,6 +239,9 @@ def _measured(result: dict[str, Any]) -> str:
     elif result.get("float32"):
         parts.append(f"float32 not run: {result['float32']}")
     parts.append(f"{result.get('weights', '')}; {result.get('seconds', 0):.0f} s ({result['run']})")
+    machine = result.get("machine") or {}
+    if machine.get("vllm_build") == "cuda":  # both sides on vLLM's CUDA build (the GPU host's sitting)
+        parts.insert(0, f"vLLM's CUDA build on {machine.get('gpu')}, kt-kernel {machine.get('kt_kernel_variant')}")
     return "; ".join(parts)
 
 
@@ -249,7 +267,7 @@ def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
 
 
 def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
-    from vllm_kt_tools.model_check.recipes import TAKES_ROW_OF
+    from vllm_kt_tools.model_check.recipes import DRAFT_OF, TAKES_ROW_OF
 
     results = load_results() if results is None else results
     architectures = moe_architectures()
@@ -263,7 +281,26 @@ def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
         if arch in table and table[arch].status == NOT_CHECKED and table.get(base, table[arch]).status == SERVED:
             taken = table[base]
             table[arch] = Row(arch, architectures[arch], SERVED, taken.backend, f"as `{base}` ({why})")
+    for arch, (base, kind) in DRAFT_OF.items():
+        if arch in table and table[arch].status == NOT_CHECKED:
+            table[arch] = _draft_row(table[arch], base, kind, table[base])
     return list(table.values())
+
+
+def _draft_row(row: Row, base: str, kind: str, base_row: Row) -> Row:
+    """A draft's or wrapper's row (``DRAFT_OF``): it runs only with its base, so where the base
+    cannot be checked here neither can it, for the base's reason; otherwise it stays not checked,
+    saying whose status it follows."""
+    if base_row.status == CANNOT_CHECK:
+        return Row(
+            row.architecture,
+            row.module,
+            CANNOT_CHECK,
+            "",
+            f"{kind} of `{base}`, which cannot be checked here: {base_row.detail}",
+        )
+    said = "served (a row taken only where it builds the base's MoE layers)" if base_row.status == SERVED else ""
+    return Row(row.architecture, row.module, NOT_CHECKED, "", f"{kind} of `{base}`, {said or base_row.status}")
 
 
 def _table(selected: list[Row]) -> list[str]:
@@ -314,6 +351,11 @@ def readme_section() -> str:
     )
 
 
+def _build(machine: dict[str, Any]) -> str:
+    """Which vLLM build a run used, where not the CPU build (runs before the field: CPU)."""
+    return f"vLLM's CUDA build, {machine.get('gpu')}, " if machine.get("vllm_build") == "cuda" else ""
+
+
 def docs_page() -> str:
     """docs/supported_models.md."""
     import vllm
@@ -321,13 +363,16 @@ def docs_page() -> str:
     all_rows = rows()
     n = counts(all_rows)
     runs, total_s = [], 0.0
-    for path in committed_runs():
+    cuda = results_folder() / CUDA_RUNS
+    for path in [*committed_runs(), *(committed_runs(cuda) if cuda.is_dir() else [])]:
         run = json.loads(path.read_text())
-        total_s += run["seconds"]
         where = run.get("machine", {})
+        total_s += run["seconds"] if where.get("vllm_build") != "cuda" else 0.0  # the CPU build's full run
+        name = f"{CUDA_RUNS}/{path.name}" if path.parent == cuda else path.name
         runs.append(
-            f"`{path.name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
-            f"({where.get('cores')} cores, kt-kernel {where.get('kt_kernel_variant')}, started {run.get('started')})"
+            f"`{name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
+            f"({_build(where)}{where.get('cores')} cores, kt-kernel {where.get('kt_kernel_variant')}, "
+            f"started {run.get('started')})"
         )
     return "\n".join(
         [
@@ -340,7 +385,8 @@ def docs_page() -> str:
             "",
             "- **served**: a tiny model of the architecture (its config class, shrunk; weights briefly trained by "
             "transformers' model class) gives plain vLLM's greedy tokens through `vllm serve --quantization "
-            "kt-hybrid` on vLLM's CPU build, with half of every MoE layer's experts on the CPU: bf16 with the "
+            "kt-hybrid` on vLLM's CPU build (where that build cannot run the architecture, its CUDA build on the "
+            "GPU host: the row says so), with half of every MoE layer's experts on the CPU: bf16 with the "
             "default CPU backend (column 4), tokens equal but at a tie of plain vLLM's own and the chosen-token "
             "logprob drift within 0.05 nats; float32 with the torch backend, tokens equal and drift within 1e-4, "
             "where plain vLLM runs float32 (`vllm_kt_tools/model_check`).",
@@ -348,8 +394,11 @@ def docs_page() -> str:
             "clamped SwiGLU, other activations, router weights on the input): the plugin picks it for those layers "
             "unless `KT_BACKEND` is set, and says so in its log.",
             "- **refused at config time**: `--quantization kt-hybrid` stops with one line before any weight loads.",
-            "- **cannot be checked here**: plain vLLM itself fails on this machine's vLLM build; the column gives "
-            "its error.",
+            "- **cannot be checked here**: plain vLLM itself fails on this machine's vLLM build (the column gives "
+            "its error), or vLLM's model class is a stub on this platform (its NotImplementedError), or no tiny "
+            "model can be written (transformers ships no model class of the architecture to write its weights); "
+            "a draft or multimodal wrapper of such a base cannot be checked either (it runs only with its base), "
+            "for the base's reason.",
             "- **reference: plain vLLM with kt_cpu_router**: plain vLLM's CPU build asserts on this architecture's "
             "router (sigmoid top-k without expert groups), so the reference loads only the plugin's fix of that "
             "router (`VLLM_PLUGINS=kt_cpu_router`: vLLM's own grouped top-k with one group, as CUDA routes it), "
@@ -366,7 +415,9 @@ def docs_page() -> str:
             "(per architecture: the tokens compared, the drift, the backend, the time taken); this page is generated "
             "from the committed JSON by `python -m vllm_kt_tools.support.supported_models`, and "
             "`tests/unit/test_supported_models.py` fails when the two disagree. "
-            f"Runs: {'; '.join(runs) or 'none yet'}. Together (the full run's duration): {total_s / 60:.0f} min.",
+            f"Runs: {'; '.join(runs) or 'none yet'}. Together (the full run's duration on the CPU build): "
+            f"{total_s / 60:.0f} min. The CUDA runs serve only rows the CPU build cannot run "
+            f"([{CUDA_RUNS}/README.md]({'model_checks'}/{CUDA_RUNS}/README.md) has all their outcomes).",
             "",
             *_table(all_rows),
             "",

@@ -26,6 +26,12 @@ TOUCHES: tuple[Touch, ...] = (
         "the registry's own table, architecture -> (module, class): the supported-models page lists it",
     ),
     Touch(
+        "vllm.transformers_utils.config",
+        "_CONFIG_REGISTRY",
+        "owner",
+        "vLLM's own config classes, model_type -> class: whether a tiny model's config class ships",
+    ),
+    Touch(
         "vllm.distributed",
         "init_distributed_environment",
         "owner",
@@ -88,6 +94,13 @@ def registry_models() -> Mapping[str, tuple[str, str]]:
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
     return _VLLM_MODELS
+
+
+def config_registry() -> Mapping[str, type]:
+    """vLLM's config registry: model_type -> the config class vLLM ships for it."""
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    return _CONFIG_REGISTRY
 
 
 def init_single_process_groups(backend: str) -> None:

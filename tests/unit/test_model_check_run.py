@@ -1,0 +1,49 @@
+"""model_check.run's verdict where plain vLLM answers in bf16 but not in float32 (pure logic:
+the engines are replaced by recorded answers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_kt_tools.model_check import engines, run
+
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def _answers(ids: list[int]) -> list[dict[str, Any]]:
+    step = {"ids": ids, "top2": [[-0.1, -3.0]] * len(ids), "top2_ids": [[t, 0] for t in ids]}
+    return [{**step, "forced": [-0.1] * len(ids), "forced_ids": ids}] * 6
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(run, "checkpoint_dir", lambda arch, models: tmp_path)
+    monkeypatch.setattr(run, "weights_of", lambda model: "trained")
+    monkeypatch.setattr(run, "prompt_ids", lambda model: [[1, 2]] * 6)
+    monkeypatch.setattr(engines, "served", lambda *a, **k: _answers([5, 6]))
+    (tmp_path / f"{ARCH}-kt-bfloat16.log").write_text("kt-hybrid's server log\n")
+
+
+def test_plain_vllm_failing_in_float32_leaves_the_bf16_verdict_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_model: None
+) -> None:
+    plain = {"bfloat16": _answers([5, 6]), "float32_error": "RuntimeError: bf16 only"}
+    monkeypatch.setattr(engines, "in_process", lambda *a, **k: plain)
+    result = run._check(ARCH, tmp_path, tmp_path)
+    assert result["status"] == run.SERVED
+    assert result["float32"] == "plain vLLM float32 fails here: RuntimeError: bf16 only"
+    assert set(result["checks"]) == {"bfloat16"}
+
+
+def test_kt_hybrid_missing_its_float32_answers_still_fails_the_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_model: None
+) -> None:
+    plain = {"bfloat16": _answers([5, 6]), "float32": _answers([5, 6])}
+    monkeypatch.setattr(engines, "in_process", lambda *a, **k: plain)
+    (tmp_path / f"{ARCH}-plain.log").write_text("RuntimeError: torch backend broke\n")
+    result = run._check(ARCH, tmp_path, tmp_path)
+    assert result["status"] == run.FAILED
+    assert "float32" in result["reason"]
