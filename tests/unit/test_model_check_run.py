@@ -47,3 +47,15 @@ def test_kt_hybrid_missing_its_float32_answers_still_fails_the_check(
     result = run._check(ARCH, tmp_path, tmp_path)
     assert result["status"] == run.FAILED
     assert "float32" in result["reason"]
+
+
+def test_nan_logprobs_on_both_sides_fail_the_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_model: None
+) -> None:
+    # a tiny model with unloaded weights: NaN logits, token 0 everywhere, on both sides alike
+    nan = [{**a, "top2": [[float("nan")] * 2] * 2, "forced": [float("nan")] * 2} for a in _answers([0, 0])]
+    monkeypatch.setattr(engines, "in_process", lambda *a, **k: {"bfloat16": nan, "float32_error": "bf16 only"})
+    monkeypatch.setattr(engines, "served", lambda *a, **k: nan)
+    result = run._check(ARCH, tmp_path, tmp_path)
+    assert result["status"] == run.FAILED
+    assert "NaN" in result["reason"]

@@ -11,6 +11,7 @@ such a tie the texts part, and the rest is compared by teacher forcing.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 Answer = dict[str, Any]
@@ -58,6 +59,13 @@ def step_drifts(got: Answer, want: Answer) -> list[float]:
 def logprob_drift(got: list[Answer], want: list[Answer]) -> float:
     """Largest ``step_drifts`` over the completions."""
     return max((d for g, w in zip(got, want, strict=True) for d in step_drifts(g, w)), default=0.0)
+
+
+def non_finite(answers: list[Answer]) -> int:
+    """How many logprobs (top two and forced) are NaN or infinite: a model whose logits are NaN
+    answers token 0 everywhere on both sides, and NaN drifts compare below any bound."""
+    values = [lp for a in answers for step in a["top2"] for lp in step] + [lp for a in answers for lp in a["forced"]]
+    return sum(not math.isfinite(lp) for lp in values)
 
 
 def differing(got: list[Answer], want: list[Answer]) -> int:

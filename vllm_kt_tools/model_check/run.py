@@ -92,7 +92,10 @@ def last_error_line(log: str) -> str:
 
 def _comparison(got: list, want: list, bound: float, exact: bool, log: str) -> dict[str, Any]:
     problem = None
-    if exact and [g["ids"] for g in got] != [w["ids"] for w in want]:
+    broken = compare.non_finite(want) + compare.non_finite(got)
+    if broken:
+        problem = f"{broken} logprobs are NaN or infinite (plain vLLM's: {compare.non_finite(want)}): nothing compared"
+    if problem is None and exact and [g["ids"] for g in got] != [w["ids"] for w in want]:
         problem = f"{compare.differing(got, want)} of {len(got)} completions differ (float32 must be exact)"
     problem = problem or compare.greedy_mismatch(got, want)
     drift = compare.logprob_drift(got, want)
