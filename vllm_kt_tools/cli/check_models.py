@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("model_checks.json"), help="the run's JSON")
     parser.add_argument("--models", type=Path, help="where the tiny models are written and reused")
     parser.add_argument("--logs", type=Path, help="where the engines' logs go (default: a temporary folder)")
+    parser.add_argument(
+        "--torchvision",
+        action="store_true",
+        help="vLLM's CPU build: install torchvision's Python part apart, so that the model modules "
+        "importing it load (model_check/vision_shim.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"not a MoE architecture of vLLM's registry: {', '.join(unknown)}", file=sys.stderr)
         return 2
     models = args.models or Path(tempfile.gettempdir()) / "vllm-kt-model-check"
+    if args.torchvision:
+        from vllm_kt_tools.model_check import vision_shim
+
+        vision_shim.enable(Path(tempfile.gettempdir()) / "vllm-kt-torchvision")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="vllm-kt-model-check-logs-"))
     print(f"checking {len(chosen)} architectures; logs in {logs}", flush=True)
 

@@ -296,6 +296,16 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
     return {**out, "status": status, "reason": "; ".join(problems) or None, "checks": checks}
 
 
+def _torchvision() -> str | None:
+    """The torchvision the engines import, if any (``check-models --torchvision``: its Python part)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchvision")
+    except PackageNotFoundError:
+        return None
+
+
 def machine() -> dict[str, Any]:
     import torch
     import vllm
@@ -314,6 +324,7 @@ def machine() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "kt_kernel_variant": variant,
+        "torchvision": _torchvision(),
         "cpu": platform.processor() or platform.machine(),
         "cores": __import__("os").cpu_count(),
     }

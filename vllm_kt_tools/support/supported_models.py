@@ -352,8 +352,11 @@ def readme_section() -> str:
 
 
 def _build(machine: dict[str, Any]) -> str:
-    """Which vLLM build a run used, where not the CPU build (runs before the field: CPU)."""
-    return f"vLLM's CUDA build, {machine.get('gpu')}, " if machine.get("vllm_build") == "cuda" else ""
+    """Which vLLM build a run used, where not the CPU build (runs before the field: CPU), and
+    torchvision's Python part where a CPU run had it (``check-models --torchvision``)."""
+    if machine.get("vllm_build") == "cuda":
+        return f"vLLM's CUDA build, {machine.get('gpu')}, "
+    return f"torchvision {machine['torchvision']}'s Python part, " if machine.get("torchvision") else ""
 
 
 def docs_page() -> str:
