@@ -363,6 +363,9 @@ def docs_page() -> str:
     """docs/supported_models.md."""
     import vllm
 
+    from vllm_kt_tools.model_check.compare import FLOAT32_DRIFT_BOUND
+    from vllm_kt_tools.model_check.run import BF16_DRIFT_BOUND
+
     all_rows = rows()
     n = counts(all_rows)
     runs, total_s = [], 0.0
@@ -391,7 +394,8 @@ def docs_page() -> str:
             "kt-hybrid` on vLLM's CPU build (where that build cannot run the architecture, its CUDA build on the "
             "GPU host: the row says so), with half of every MoE layer's experts on the CPU: bf16 with the "
             "default CPU backend (column 4), tokens equal but at a tie of plain vLLM's own and the chosen-token "
-            "logprob drift within 0.05 nats; float32 with the torch backend, tokens equal and drift within 1e-4, "
+            f"logprob drift within {BF16_DRIFT_BOUND:g} nats; float32 with the torch backend, tokens equal and drift "
+            f"within {FLOAT32_DRIFT_BOUND:g}, "
             "where plain vLLM runs float32 (`vllm_kt_tools/model_check`).",
             "- **CPU backend**: `kt_kernel` where kt-kernel computes the experts; `torch` where it cannot (biases, a "
             "clamped SwiGLU, other activations, router weights on the input): the plugin picks it for those layers "
