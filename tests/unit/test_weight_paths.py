@@ -31,7 +31,7 @@ from vllm_kt_plugin.cpu_backends.kt_kernel.weight_paths import (
 )
 from vllm_kt_plugin.hybrid import serve_checks
 from vllm_kt_plugin.settings.errors import KTConfigError
-from vllm_kt_plugin.settings.model_memory import ExpertShape
+from vllm_kt_plugin.settings.model_memory import ExpertShape, num_routed_experts
 from vllm_kt_tools.cli.doctor import read_system, run_checks
 from vllm_kt_tools.support import weight_matrix
 from vllm_kt_tools.support.kt_weight_layouts import convert_layers, fake_layers, quantize_layers
@@ -320,7 +320,8 @@ def test_kt_kernel_reads_the_converted_layout_as_its_own(matrix, monkeypatch: py
     layers = quantize_layers(models.bf16, root / "read-cache", method)
     converted = convert_layers(layers, models.bf16, root / "read-converted", method)
     config = json.loads((models.bf16 / "config.json").read_text())
-    experts, hidden, width = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    # transformers 5.19 writes qwen3_moe's expert count as num_local_experts: read it as the plugin does
+    experts, hidden, width = num_routed_experts(config), config["hidden_size"], config["moe_intermediate_size"]
     torch.manual_seed(0)
     x = torch.randn(4, hidden, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts)[:2] for _ in range(4)])
@@ -337,7 +338,9 @@ def test_kt_kernel_reads_the_converted_layout_as_its_own(matrix, monkeypatch: py
             cpuinfer_threads=1,
             threadpool_count=1,
             weight_path=str(folder),
-            chunked_prefill_size=16,
+            # kt-kernel's AMX buffers take it in multiples of their M step: 16 stopped the wrapper
+            # ("max_m and k must be multiple of M_STEP and K_STEP", 2-core AVX-512 box)
+            chunked_prefill_size=64,
             method=method,
         )
         physical_to_logical = torch.arange(experts)
