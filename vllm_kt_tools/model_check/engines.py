@@ -111,6 +111,15 @@ def missing_plugins(plugins: Sequence[str]) -> list[str]:
     return [name for name in plugins if name not in offered]
 
 
+def plain_env(plugins: Sequence[str] = ()) -> dict[str, str]:
+    """A plain-vLLM child's environment: no KT_* setting, only ``plugins`` loaded, its engines
+    in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one start-up for all of them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
+    env.update({"VLLM_PLUGINS": ",".join(plugins), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
 def in_process(
     model: Path,
     prompts: list[list[int]],
@@ -129,13 +138,10 @@ def in_process(
             f"the entry point(s) {', '.join(missing)} of vllm.general_plugins are not installed: "
             "reinstall the package (pip install -e . --no-deps)"
         )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
-    env.update({"VLLM_PLUGINS": ",".join(plugins), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = run_child(
         "vllm_kt_tools.model_check.engines:in_process_answers",
         {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "dtypes": dtypes, "kt_float32": kt_float32},
-        env=env,
+        env=plain_env(plugins),
         timeout_s=ENGINE_TIMEOUT_S,
         log_path=log_path,
     )

@@ -10,11 +10,10 @@ recipe is what is wrong, and the row stays not checked.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.model_check.engines import ENGINE_TIMEOUT_S, _engine_answers
+from vllm_kt_tools.model_check.engines import ENGINE_TIMEOUT_S, _engine_answers, plain_env
 from vllm_kt_tools.support.child import run_child
 
 PROBE_TOKENS = 2
@@ -28,13 +27,10 @@ def dummy_answers(model: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
 def with_dummy_weights(model: Path, prompts: list[list[int]], log_path: Path) -> str | None:
     """The log of plain vLLM failing on ``model``'s config with its own dummy weights, or None
     where it answers (no plugin loaded)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
-    env.update({"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = run_child(
         "vllm_kt_tools.model_check.probe:dummy_answers",
         {"model": str(model), "prompts": prompts[:1]},
-        env=env,
+        env=plain_env(),
         timeout_s=ENGINE_TIMEOUT_S,
         log_path=log_path,
     )

@@ -150,20 +150,27 @@ def plain_failure_status(reason: str) -> str:
     return NO_RECIPE if _TINY_MODEL_REJECTED.match(reason) else CANNOT_CHECK
 
 
-def refuses_this_platform(architecture: str) -> str | None:
-    """The NotImplementedError vLLM's model class raises on construction where this build
-    ships only a stub of it (e.g. DeepSeek-V4's CPU MTP draft), or None. The class is built
-    with no config: a real model class fails otherwise (ignored) before allocating anything."""
+def model_class(architecture: str) -> Any:
+    """vLLM's model class of a registry architecture, imported as the registry would."""
     import importlib
 
     from vllm_kt_tools.support.vllm_internals import registry_models
 
     module, cls = registry_models()[architecture]
-    if module == "transformers":
-        return None
     name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    return getattr(importlib.import_module(name), cls)
+
+
+def refuses_this_platform(architecture: str) -> str | None:
+    """The NotImplementedError vLLM's model class raises on construction where this build
+    ships only a stub of it (e.g. DeepSeek-V4's CPU MTP draft), or None. The class is built
+    with no config: a real model class fails otherwise (ignored) before allocating anything."""
+    from vllm_kt_tools.support.vllm_internals import registry_models
+
+    if registry_models()[architecture][0] == "transformers":
+        return None
     try:
-        getattr(importlib.import_module(name), cls)(vllm_config=None, prefix="")
+        model_class(architecture)(vllm_config=None, prefix="")
     except NotImplementedError as error:
         return f"NotImplementedError: {error}"[:400]
     except Exception:  # noqa: BLE001 - a real model class rejecting no config: not a stub
@@ -182,14 +189,8 @@ def plain_failure_reason(recipe: Recipe, error: str) -> str:
 def import_failure(architecture: str) -> str | None:
     """Why vLLM's registry cannot import this architecture's model class on this build
     (e.g. a module that imports torchvision, or one with GPU-only implementations), or None."""
-    import importlib
-
-    from vllm_kt_tools.support.vllm_internals import registry_models
-
-    module, cls = registry_models()[architecture]
-    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
     try:
-        getattr(importlib.import_module(name), cls)
+        model_class(architecture)
     except Exception as error:  # noqa: BLE001 - whatever stops the import is the reason
         return f"{type(error).__name__}: {error}"[:400]
     return None

@@ -196,6 +196,12 @@ def committed_runs(folder: Path | None = None) -> list[Path]:
 CUDA_RUNS = "cuda-host"
 
 
+def cuda_runs(folder: Path | None = None) -> list[Path]:
+    """The committed runs of vLLM's CUDA build (``CUDA_RUNS``), in ``committed_runs``' order."""
+    cuda = (folder or results_folder()) / CUDA_RUNS
+    return committed_runs(cuda) if cuda.is_dir() else []
+
+
 def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
     """Architecture -> its latest result among the committed runs (``committed_runs``' order);
     then, for an architecture no CPU run serves, a CUDA run's where it is served (the CPU build
@@ -206,8 +212,7 @@ def load_results(folder: Path | None = None) -> dict[str, dict[str, Any]]:
         run = json.loads(path.read_text())
         for arch, result in run["architectures"].items():
             results[arch] = {**result, "run": path.name, "machine": run.get("machine", {})}
-    cuda = folder / CUDA_RUNS
-    for path in committed_runs(cuda) if cuda.is_dir() else []:
+    for path in cuda_runs(folder):
         run = json.loads(path.read_text())
         for arch, result in run["architectures"].items():
             if result["status"] == "served" and results.get(arch, {}).get("status") != "served":
@@ -369,12 +374,12 @@ def docs_page() -> str:
     all_rows = rows()
     n = counts(all_rows)
     runs, total_s = [], 0.0
-    cuda = results_folder() / CUDA_RUNS
-    for path in [*committed_runs(), *(committed_runs(cuda) if cuda.is_dir() else [])]:
+    cuda = cuda_runs()
+    for path in [*committed_runs(), *cuda]:
         run = json.loads(path.read_text())
         where = run.get("machine", {})
         total_s += run["seconds"] if where.get("vllm_build") != "cuda" else 0.0  # the CPU build's full run
-        name = f"{CUDA_RUNS}/{path.name}" if path.parent == cuda else path.name
+        name = f"{CUDA_RUNS}/{path.name}" if path in cuda else path.name
         runs.append(
             f"`{name}`: {len(run['architectures'])} architectures in {run['seconds'] / 60:.0f} min "
             f"({_build(where)}{where.get('cores')} cores, kt-kernel {where.get('kt_kernel_variant')}, "
@@ -424,7 +429,7 @@ def docs_page() -> str:
             "`tests/unit/test_supported_models.py` fails when the two disagree. "
             f"Runs: {'; '.join(runs) or 'none yet'}. Together (the full run's duration on the CPU build): "
             f"{total_s / 60:.0f} min. The CUDA runs serve only rows the CPU build cannot run "
-            f"([{CUDA_RUNS}/README.md]({'model_checks'}/{CUDA_RUNS}/README.md) has all their outcomes).",
+            f"([{CUDA_RUNS}/README.md](model_checks/{CUDA_RUNS}/README.md) has all their outcomes).",
             "",
             *_table(all_rows),
             "",
