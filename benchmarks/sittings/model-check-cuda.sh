@@ -7,6 +7,8 @@
 #   OUT_JSON=$OUT/model-check.json bash benchmarks/sittings/model-check-cuda.sh ARCH [ARCH ...]
 set -euo pipefail
 . /root/gpusite/env.sh
+# sparse MLA (GLM-5, DeepSeek-V3.2) and DeepSeek-V4 need benchmarks/sparse-attention-bundle.sh's packages
+if [ -f /root/dsasite/env.sh ]; then . /root/dsasite/env.sh; fi
 # its own target: pip --target leaves out scripts where the bin/ folder exists already
 rm -rf /root/ktsite && python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /root/ktsite . >/dev/null
 export PYTHONPATH=/root/ktsite:$PYTHONPATH PATH=/root/ktsite/bin:$PATH

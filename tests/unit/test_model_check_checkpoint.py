@@ -98,3 +98,11 @@ def test_the_tiny_phimoe_has_the_biases_vllm_builds() -> None:
     names = set(PhimoeForCausalLM(config).state_dict())
     wanted = {"lm_head.bias"} | {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
     assert wanted <= names, sorted(wanted - names)
+
+
+def test_a_per_layer_mlp_list_follows_the_shrunk_first_k_dense_replace() -> None:
+    # GLM-5's class derives mlp_layer_types from its released first_k_dense_replace (3): the
+    # first three entries of that list are dense, which left the tiny model no MoE layer
+    config = build_config("GlmMoeDsaForCausalLM", RECIPES["GlmMoeDsaForCausalLM"], 64)
+    assert config.first_k_dense_replace == 1
+    assert config.mlp_layer_types == ["dense", "sparse", "sparse"]

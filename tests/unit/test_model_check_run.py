@@ -11,6 +11,10 @@ import pytest
 from vllm_kt_tools.model_check import engines, run
 
 ARCH = "Qwen3MoeForCausalLM"
+PLACED = (
+    "kt-hybrid: each MoE layer keeps experts 0-3 on the GPU and 4-7 on the CPU; "
+    "GPU side: UnquantizedFusedMoEMethod, CPU side: kt_kernel BF16 with 2 threads\n"
+)
 
 
 def _answers(ids: list[int]) -> list[dict[str, Any]]:
@@ -24,7 +28,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(run, "weights_of", lambda model: "trained")
     monkeypatch.setattr(run, "prompt_ids", lambda model: [[1, 2]] * 6)
     monkeypatch.setattr(engines, "served", lambda *a, **k: _answers([5, 6]))
-    (tmp_path / f"{ARCH}-kt-bfloat16.log").write_text("kt-hybrid's server log\n")
+    (tmp_path / f"{ARCH}-kt-bfloat16.log").write_text(PLACED)
 
 
 def test_plain_vllm_failing_in_float32_leaves_the_bf16_verdict_and_says_why(
@@ -59,3 +63,15 @@ def test_nan_logprobs_on_both_sides_fail_the_check(
     result = run._check(ARCH, tmp_path, tmp_path)
     assert result["status"] == run.FAILED
     assert "NaN" in result["reason"]
+
+
+def test_equal_tokens_without_a_placed_moe_layer_fail_the_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_model: None
+) -> None:
+    # a tiny model written with dense layers only (GLM-5's once): kt-hybrid wraps nothing, and
+    # its tokens equal plain vLLM's without any expert on the CPU
+    monkeypatch.setattr(engines, "in_process", lambda *a, **k: {"bfloat16": _answers([5, 6]), "float32_error": "x"})
+    (tmp_path / f"{ARCH}-kt-bfloat16.log").write_text("kt-hybrid's server log, no MoE layer\n")
+    result = run._check(ARCH, tmp_path, tmp_path)
+    assert result["status"] == run.FAILED
+    assert "no MoE layer placement" in result["reason"]

@@ -133,6 +133,10 @@ def shrink(values: Mapping[str, Any], layers: int) -> dict[str, Any]:
         out["n_group"], out["topk_group"] = 2, 1
     if out.get("first_k_dense_replace"):
         out["first_k_dense_replace"] = 1
+        # a per-layer list the class derived from the released first_k_dense_replace (GLM-5's
+        # 3): its first entries are all dense, so it follows the new 1 (else no MoE layer at all)
+        if out.get("mlp_layer_types") and set(out["mlp_layer_types"]) <= {"dense", "sparse"}:
+            out["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
     if out.get("kv_lora_rank") and out.get("qk_rope_head_dim") is not None:  # MLA: derived widths follow
         if "qk_head_dim" in out:
             out["qk_head_dim"] = out.get("qk_nope_head_dim", 0) + out["qk_rope_head_dim"]
@@ -427,10 +431,12 @@ RECIPES: dict[str, Recipe] = {
             "q_lora_rank": 64,
             "o_groups": 2,
             "o_lora_rank": 64,
-            "index_n_heads": 2,
+            # DeepGEMM's indexer kernels on SM90 take 32 or 64 heads; FlashMLA's sparse decode
+            # takes a top-k that is a multiple of 64 (deepseek_v4/nvidia/flashmla.py)
+            "index_n_heads": 64,
             # vLLM's compressor (deepseek_v4/compressor.py) takes only 128 and 512 wide heads
             "index_head_dim": 128,
-            "index_topk": 16,
+            "index_topk": 512,
             "compress_ratios": [0, 4, 128],
             "num_hash_layers": 1,
             "layer_types": None,
@@ -483,8 +489,19 @@ RECIPES: dict[str, Recipe] = {
     # GLM-5 (DeepSeek-V3.2's sparse attention with GLM's MoE)
     "GlmMoeDsaForCausalLM": Recipe(
         "glm_moe_dsa",
-        {"index_head_dim": 128, "index_n_heads": 2, "index_topk": 16, "n_group": 1, "topk_group": 1},
+        # DeepGEMM's indexer kernels on SM90 take 32 or 64 indexer heads; 512 is the smallest
+        # top-k of vLLM's cooperative/persistent top-k kernels (sparse_attn_indexer.py, indexer_topk.py)
+        {
+            "index_head_dim": 128,
+            "index_n_heads": 32,
+            "index_topk": 512,
+            "n_group": 1,
+            "topk_group": 1,
+        },
         layers=3,
+        # the per-layer lists left to the config class, which derives them from first_k_dense_replace:
+        # transformers 5.17 (the GPU host's) rejects the 5.19 value "indexed_attention"
+        config_json={"layer_types": None, "mlp_layer_types": None, "indexer_types": None},
     ),
     "Glm4MoeLiteForCausalLM": Recipe(
         "glm4_moe_lite",
