@@ -15,6 +15,8 @@ from vllm_kt_tools.model_check.checkpoint import (
     name_architecture,
     rename_tensors,
     renamed,
+    transpose_tensors,
+    with_config_json,
 )
 from vllm_kt_tools.model_check.recipes import RECIPES
 
@@ -106,3 +108,27 @@ def test_a_per_layer_mlp_list_follows_the_shrunk_first_k_dense_replace() -> None
     config = build_config("GlmMoeDsaForCausalLM", RECIPES["GlmMoeDsaForCausalLM"], 64)
     assert config.first_k_dense_replace == 1
     assert config.mlp_layer_types == ["dense", "sparse", "sparse"]
+
+
+def test_fused_experts_are_written_in_the_released_layout(tmp_path: Path) -> None:
+    """Qwen3-VL-MoE's released experts are (in, out), which vLLM loads transposed; transformers saves (out, in)."""
+    parts = RECIPES["Qwen3VLMoeForConditionalGeneration"].transposed
+    down = torch.arange(24.0).reshape(2, 4, 3)  # (experts, hidden, intermediate)
+    save_file(
+        {"model.language_model.layers.0.mlp.experts.down_proj": down, "lm_head.weight": torch.ones(4, 3)},
+        tmp_path / "m.safetensors",
+    )
+    transpose_tensors(tmp_path, parts)
+    tensors = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(tensors["model.language_model.layers.0.mlp.experts.down_proj"], down.transpose(1, 2))
+    assert tensors["lm_head.weight"].shape == (4, 3)  # the others untouched
+
+
+def test_a_text_config_key_of_config_json_is_merged_into_the_written_text_config() -> None:
+    """MiniMax-M3's: vLLM's config class reads the released text config's names beside transformers' keys."""
+    extra = RECIPES["MiniMaxM3SparseForConditionalGeneration"].config_json
+    written = {"text_config": {"hidden_act": "silu", "hidden_size": 128}, "vision_config": {"hidden_size": 64}, "x": 1}
+    merged = with_config_json(written, {**extra, "x": None})
+    assert merged["text_config"]["hidden_act"] == "swigluoai" and merged["text_config"]["hidden_size"] == 128
+    assert merged["vision_config"]["hidden_size"] == 64 and "img_token_compression_config" in merged["vision_config"]
+    assert "x" not in merged

@@ -75,3 +75,16 @@ def test_equal_tokens_without_a_placed_moe_layer_fail_the_check(
     result = run._check(ARCH, tmp_path, tmp_path)
     assert result["status"] == run.FAILED
     assert "no MoE layer placement" in result["reason"]
+
+
+def test_a_draft_or_wrapper_without_a_recipe_follows_its_base(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # an MTP draft transformers ships no class of: not "no tiny model can be written" (which the
+    # table would show as its status) but no recipe, so that the table gives it its base's row
+    monkeypatch.setitem(run.DRAFT_OF, "X", ("Base", "an MTP draft"))
+    monkeypatch.setattr(run, "import_failure", lambda arch: None)
+    monkeypatch.setattr(run, "refuses_this_platform", lambda arch: None)
+    monkeypatch.setattr(run, "unbuildable", lambda arch: "transformers ships no `X` model class")
+    result = run._check("X", tmp_path, tmp_path)
+    assert result["status"] == run.NO_RECIPE and "`Base`" in result["reason"]
+    monkeypatch.setattr(run, "import_failure", lambda arch: "ModuleNotFoundError: No module named 'torchvision'")
+    assert run._check("X", tmp_path, tmp_path)["status"] == run.CANNOT_CHECK  # its module must import here

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.torchvision:  # before transformers is imported: it decides once which processors torchvision backs
+        from vllm_kt_tools.model_check import vision_shim
+
+        vision_shim.enable(Path(tempfile.gettempdir()) / "vllm-kt-torchvision")
     from vllm_kt_tools.model_check.run import SERVED, run
     from vllm_kt_tools.model_check.subset import CI_SUBSET
     from vllm_kt_tools.support.supported_models import moe_architectures
@@ -39,10 +43,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"not a MoE architecture of vLLM's registry: {', '.join(unknown)}", file=sys.stderr)
         return 2
     models = args.models or Path(tempfile.gettempdir()) / "vllm-kt-model-check"
-    if args.torchvision:
-        from vllm_kt_tools.model_check import vision_shim
-
-        vision_shim.enable(Path(tempfile.gettempdir()) / "vllm-kt-torchvision")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="vllm-kt-model-check-logs-"))
     print(f"checking {len(chosen)} architectures; logs in {logs}", flush=True)
 

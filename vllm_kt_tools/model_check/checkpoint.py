@@ -28,7 +28,7 @@ TRAIN_STEPS = 200
 # with this std instead of initializer_range's 0.02: their logits spread more.
 WEIGHT_STD = 0.1
 # Recipe fields out of its repr that shape the checkpoint (tokenizer, processor config).
-INPUT_FIELDS = ("image_processor", "special_tokens", "named_tokens", "token_ids")
+INPUT_FIELDS = ("image_processor", "special_tokens", "named_tokens", "token_ids", "transposed")
 _META = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype"}
 
 
@@ -119,6 +119,30 @@ def rename_tensors(out: Path, renames: Any) -> None:
         index.write_text(json.dumps(data, indent=2))
 
 
+def with_config_json(written: dict[str, Any], extra: Any) -> dict[str, Any]:
+    """The written config.json with a recipe's ``config_json``: a dict value (a text_config's
+    keys) is merged into the written dict of that key, another value replaces it, None removes it."""
+    merged = {
+        **written,
+        **{
+            key: {**written[key], **value} if isinstance(value, dict) and isinstance(written.get(key), dict) else value
+            for key, value in extra.items()
+        },
+    }
+    return {key: value for key, value in merged.items() if value is not None}
+
+
+def transpose_tensors(out: Path, parts: tuple[str, ...]) -> None:
+    """Rewrite the saved safetensors with the last two dimensions of every tensor whose name
+    holds one of ``parts`` swapped."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        swapped = {k: v.transpose(-2, -1).contiguous() if any(p in k for p in parts) else v for k, v in tensors.items()}
+        save_file(swapped, path, metadata={"format": "pt"})
+
+
 def add_special_tokens(out: Path, tokens: tuple[str, ...], named: Any = None) -> int:
     """The tiny tokenizer in ``out`` with ``tokens`` added as special tokens, and ``named``'s
     (attribute -> token: transformers' extra special tokens) too; its size."""
@@ -165,10 +189,11 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
     name_architecture(out, architecture)
     if recipe.renames:
         rename_tensors(out, recipe.renames)
+    if recipe.transposed:
+        transpose_tensors(out, recipe.transposed)
     if recipe.config_json:
-        written = json.loads((out / "config.json").read_text())
-        merged = {**written, **recipe.config_json}
-        (out / "config.json").write_text(json.dumps({k: v for k, v in merged.items() if v is not None}, indent=2))
+        merged = with_config_json(json.loads((out / "config.json").read_text()), recipe.config_json)
+        (out / "config.json").write_text(json.dumps(merged, indent=2))
     if recipe.image_processor:
         import transformers
 

@@ -106,6 +106,9 @@ class Recipe:
     named_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     # config keys (outer level) -> the added token whose id they hold (e.g. the image token's index)
     token_ids: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # tensor-name parts whose tensors' last two dimensions are swapped after saving, where the
+    # released checkpoint stores fused experts (in, out) and transformers' save writes (out, in)
+    transposed: tuple[str, ...] = field(default=(), repr=False)
     # The saved tensor names are the released checkpoint's own (no renames needed): a KeyError
     # of plain vLLM's loader on them is vLLM's, not the recipe's (run.plain_failure_reason).
     # Not in the repr: the weights do not depend on it.
@@ -157,6 +160,23 @@ _GATED_DELTANET = {
     "linear_num_value_heads": 4,
 }
 _GDN_BF16 = "vLLM's CPU build: \"CPU GDN attention requires BF16\" (Qwen3-Next's linear attention)"
+# Qwen4-Exp: Qwen3.5's hybrid layout with hyper-connections (hc_*) and a token indexer (QSA) on
+# its full-attention layers (one key head; the budget a multiple of the block), no per-layer n-gram
+# embeddings (ple_layer_ids empty)
+_QWEN4_EXP = {
+    **_GATED_DELTANET,
+    "layer_types": ["linear_attention", "indexed_attention"],
+    "hc_lowrank": 32,
+    "ple_embed_dim": None,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 128,
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 4,
+    # vLLM's linear attention reads the released config's key, which transformers' default leaves
+    # unset ("unsupported output_gate_type=None", 2026-12-07-33.json); silu: transformers' default
+    "output_gate_type": "silu",
+}
 
 _DEEPSEEK_V3 = {
     "topk_method": "noaux_tc",
@@ -214,6 +234,11 @@ _ARIA_INPUTS: dict[str, Any] = {
     "token_ids": {"image_token_index": "<|img|>"},
 }
 _MIMO_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+# Qwen3-VL's vision tower (Qwen3-VL-MoE's, Qwen3.5's) at its smallest: the check feeds text only;
+# its output feeds the text model (out_hidden_size = HIDDEN)
+_QWEN3_VISION = {"depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "out_hidden_size": HIDDEN}
+# vLLM's Qwen3-VL processor loads the image processor's config at start, text prompts too
+_QWEN3_VL_INPUTS: dict[str, Any] = {"image_processor": "Qwen2VLImageProcessor"}
 
 # Our plugins a plain-vLLM reference may load (Recipe.reference_plugins) -> why; each fixes
 # vLLM's CPU build alone, registering nothing of kt-hybrid (pyproject.toml's entry points).
@@ -263,6 +288,102 @@ RECIPES: dict[str, Recipe] = {
         _GATED_DELTANET,
         float32=False,
         notes=_GDN_BF16,
+    ),
+    # the text part of Qwen3-VL-MoE (Qwen3-MoE's decoder with interleaved M-RoPE) under its vision tower
+    "Qwen3VLMoeForConditionalGeneration": Recipe(
+        "qwen3_vl_moe",
+        # vLLM reads it of the released text config; transformers' class always normalises the top-k
+        {"norm_topk_prob": True},
+        outer={"vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": [0]}},
+        # the released checkpoints' fused experts, which vLLM loads transposed (qwen3_vl_moe.py:
+        # is_fused_checkpoint_transposed): "size of tensor a (64) must match ... (128)", 2026-12-07-33.json
+        transposed=(".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"),
+        **_QWEN3_VL_INPUTS,
+    ),
+    "Qwen3_5MoeForConditionalGeneration": Recipe(
+        "qwen3_5_moe",
+        _GATED_DELTANET,
+        outer={"vision_config": _QWEN3_VISION},
+        float32=False,
+        notes=_GDN_BF16,
+        **_QWEN3_VL_INPUTS,
+    ),
+    # the dense Qwen3.5 (qwen3_5_text: Qwen3_5DecoderLayer builds a dense MLP), a row because its
+    # module builds Qwen3.5-MoE too: its config declares no routed experts
+    "Qwen3_5ForCausalLM": Recipe("qwen3_5_text", _GATED_DELTANET, float32=False, notes=_GDN_BF16),
+    "Qwen3_5ForConditionalGeneration": Recipe(
+        "qwen3_5",
+        _GATED_DELTANET,
+        outer={"vision_config": _QWEN3_VISION},
+        float32=False,
+        notes=_GDN_BF16,
+        **_QWEN3_VL_INPUTS,
+    ),
+    # its first layer dense, the others MoE with the sparse (indexed) attention of the released config
+    "MiniMaxM3SparseForConditionalGeneration": Recipe(
+        "minimax_m3_vl",
+        {
+            "rotary_dim": 16,
+            "shared_intermediate_size": 256,  # vLLM sizes the shared expert as intermediate_size x n_shared_experts
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+            "index_n_heads": 2,
+            "index_block_size": 16,
+            "index_topk_blocks": 2,
+        },
+        layers=3,
+        outer={
+            "vision_config": _ARIA_VISION,
+            "projector_hidden_size": HIDDEN,
+            "merged_hidden_size": 4 * _ARIA_VISION["hidden_size"],  # a 2x2 spatial merge of its patches
+        },
+        # vLLM's processor loads it at start, text prompts too ("Can't load image processor", 2026-12-07-33.json)
+        image_processor="MiniMaxM3VLImageProcessor",
+        # vLLM's config class of it (transformers_utils/configs/minimax_m3.py) reads the released
+        # text config's names, whose defaults are the released 60 layers'; transformers' class
+        # computes the SwiGLU-OAI gate inline and writes hidden_act "silu"
+        config_json={
+            # vLLM's vision tower reads its patch merge here (2026-12-07-35.json); transformers' has spatial_merge_size
+            "vision_config": {"img_token_compression_config": {"spatial_merge_size": 2}},
+            "text_config": {
+                "hidden_act": "swigluoai",
+                "partial_rotary_factor": 0.5,
+                "moe_layer_freq": [0, 1, 1],
+                "sparse_attention_config": {
+                    "use_sparse_attention": True,
+                    "sparse_index_dim": 128,
+                    "sparse_num_index_heads": 2,
+                    "sparse_topk_blocks": 2,
+                    "sparse_block_size": 16,
+                    "sparse_disable_index_value": [0, 1, 1],
+                    "sparse_score_type": "max",
+                    "sparse_init_block": 0,
+                    "sparse_local_block": 1,
+                    "sparse_attention_freq": [0, 1, 1],
+                },
+            },
+        },
+    ),
+    # Gemma 4's dense decoder (gemma4's Gemma4MLP only) under an embedding head: a pooling model in vLLM.
+    # Not run yet: vLLM's EmbeddingGemma2Processor loads at start an image, a video and an audio
+    # processor and the tokenizer's image/audio tokens, which the tiny model lacks ("Can't load
+    # feature extractor", 2026-12-07-34.json)
+    "EmbeddingGemma2Model": Recipe(
+        "embedding_gemma2",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "hidden_size_per_layer_input": 0,
+            "embedding_dim": HIDDEN,
+        },
+    ),
+    "Qwen4ExpForCausalLM": Recipe("qwen4_exp_text", _QWEN4_EXP),
+    "Qwen4ExpForConditionalGeneration": Recipe(
+        "qwen4_exp",
+        _QWEN4_EXP,
+        # vLLM's Qwen3-VL tower reads deepstack_visual_indexes, which Qwen4-Exp's vision config lacks
+        # (2026-12-07-33.json): none, as transformers' tower has none
+        outer={"vision_config": {**_QWEN3_VISION, "deepstack_visual_indexes": []}},
+        **_QWEN3_VL_INPUTS,
     ),
     "HYV3ForCausalLM": Recipe(
         "hy_v3",
@@ -651,6 +772,23 @@ TAKES_ROW_OF: dict[str, tuple[str, str]] = {
     "DFlashLagunaForCausalLM": ("LagunaForCausalLM", _DFLASH),
     "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", _TEXT),
     "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
+    # the wrappers' language models are the base's class (gemma4_unified names it; nano_nemotron_vl
+    # builds the text config's architecture and casts it to NemotronHForCausalLM; the thinker's
+    # Qwen3MoeLLMModel subclasses Qwen3MoeModel, adding only the vision tower's deepstack inputs)
+    "Gemma4UnifiedForConditionalGeneration": ("Gemma4ForCausalLM", _TEXT),
+    "MiMoV2OmniForCausalLM": ("MiMoV2FlashForCausalLM", _TEXT),
+    "Qwen3OmniMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", _TEXT),
+    **{
+        arch: ("NemotronHForCausalLM", _TEXT)  # served on the CUDA build (cuda-host/)
+        for arch in (
+            "NemotronH_Nano_VL_V2",
+            "NemotronH_Nano_Omni_Reasoning_V3",
+            "NemotronH_Omni_Reasoning_V3",
+            "NemotronH_Super_Omni_Reasoning_V3",
+        )
+    },
+    # its MTP layers are qwen3_5's Qwen3_5DecoderLayer on the base's (qwen3_5_moe_text) config
+    "Qwen3_5MoeMTP": ("Qwen3_5MoeForCausalLM", _MTP),
 }
 _SUBCLASS = "a subclass of the base's class in its module (its own packed-modules mapping only)"
 TAKES_ROW_OF["MiMoV2ForCausalLM"] = ("MiMoV2FlashForCausalLM", _SUBCLASS)
@@ -681,6 +819,13 @@ DRAFT_OF: dict[str, tuple[str, str]] = {
     # vLLM's speculative config turns pangu_ultra_moe configs into this draft (config/speculative.py)
     "OpenPanguMTPModel": ("PanguUltraMoEForCausalLM", _DRAFT),
     "Step3p5MTP": ("Step3p5ForCausalLM", _DRAFT),
+    "BailingMoeV3VLForConditionalGeneration": ("BailingMoeV3ForCausalLM", _WRAPPER),
+    "Glm5NextMTPModel": ("Glm5NextForConditionalGeneration", _DRAFT),
+    "InternS2MobiusMTP": ("InternS2MobiusForConditionalGeneration", _DRAFT),
+    "MiniMaxM3MTP": ("MiniMaxM3SparseForConditionalGeneration", _DRAFT),
+    "Qwen4ExpMTP": ("Qwen4ExpForCausalLM", _DRAFT),
+    # the dense Qwen3.5's draft (qwen3_5_text: Qwen3_5DecoderLayer builds a dense MLP)
+    "Qwen3_5MTP": ("Qwen3_5ForCausalLM", _DRAFT),
 }
 
 # The model_type the released checkpoints' config.json names, for architectures with no

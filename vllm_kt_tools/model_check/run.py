@@ -32,7 +32,15 @@ from typing import Any
 
 from vllm_kt_tools.model_check import compare, engines, probe
 from vllm_kt_tools.model_check.checkpoint import checkpoint_dir, weights_of
-from vllm_kt_tools.model_check.recipes import CONFIG_MODEL_TYPES, NUM_EXPERTS, RECIPES, REFERENCE_PLUGINS, Recipe
+from vllm_kt_tools.model_check.recipes import (
+    CONFIG_MODEL_TYPES,
+    DRAFT_OF,
+    NUM_EXPERTS,
+    RECIPES,
+    REFERENCE_PLUGINS,
+    TAKES_ROW_OF,
+    Recipe,
+)
 from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
@@ -137,11 +145,12 @@ def check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
 
 # Plain vLLM rejecting the tiny model itself (its config lacks a field vLLM reads, a weight
 # vLLM looks for is not in it or one it holds is not vLLM's, a size its kernels do not take, a
-# processor file or special token vLLM loads at start is missing): the recipe's fault, not
-# something this vLLM build cannot run.
+# processor file (an image processor's, an audio feature extractor's) or special token vLLM loads
+# at start is missing): the recipe's fault, not something this vLLM build cannot run.
 _TINY_MODEL_REJECTED = re.compile(
     r"plain vLLM fails here: (AttributeError: '\w+Config' object has no attribute|KeyError: '|ValueError: The `"
     r"|ValueError: Unsupported head_dim|OSError: Can't load image processor"
+    r"|OSError: Can't load feature extractor"
     r"|ValueError: \w+ tokenizer is missing special tokens|ValueError: There is no module or parameter named)"
 )
 
@@ -235,6 +244,13 @@ def unbuildable(architecture: str) -> str | None:
     return reason
 
 
+def follows(architecture: str) -> str | None:
+    """The base whose row a draft or wrapper with no recipe of its own takes or follows
+    (``TAKES_ROW_OF``, ``DRAFT_OF``), or None: no tiny model of it is written, it runs only
+    with its base (where transformers ships no class of it, none could be)."""
+    return (TAKES_ROW_OF.get(architecture) or DRAFT_OF.get(architecture) or (None,))[0]
+
+
 def _engine_failure(dtype: str, log: str) -> dict[str, Any]:
     """A kt-hybrid engine that did not answer: refused at config time (its one line), or failed."""
     refusal = _CONFIG_ERROR.search(log)
@@ -260,6 +276,9 @@ def _check(architecture: str, models: Path, logs: Path) -> dict[str, Any]:
         stub = refuses_this_platform(architecture)
         if stub is not None:
             return {"status": CANNOT_CHECK, "reason": f"vLLM's model class refuses this platform: {stub}"}
+        base = follows(architecture)
+        if base is not None:  # its module imports here: the table gives it its base's row (supported_models.rows)
+            return {"status": NO_RECIPE, "reason": f"no tiny model of its own: its row follows `{base}`'s"}
         reason = unbuildable(architecture)
         if reason is not None:
             return {"status": CANNOT_CHECK, "reason": f"no tiny model can be written: {reason}"}
