@@ -75,9 +75,6 @@ class Recipe:
     layers: int = 2
     outer: Mapping[str, Any] = field(default_factory=dict)  # overrides of a multimodal config's outer level
     hf_class: str | None = None  # transformers' model class, where not the architecture's own name
-    # "hf": random weights from transformers' model class; "vllm": random weights written
-    # in the tensor names vLLM's own loader reads (no transformers model class)
-    weights: str = "hf"
     # keys added to the written config.json (None: removed): what vLLM reads of the
     # architecture's released config where transformers' class keeps it under other names
     config_json: Mapping[str, Any] = field(default_factory=dict)
