@@ -20,7 +20,7 @@ RUNS = {
 
 
 def child(model: str, kt: str, reference: str) -> None:
-    from vllm_kt_tools.model_check.engines import _engine_answers
+    from vllm_kt_tools.model_check.engines import engine_answers
     from vllm_kt_tools.model_check.run import prompt_ids
 
     prompts = prompt_ids(Path(model))
@@ -32,7 +32,7 @@ def child(model: str, kt: str, reference: str) -> None:
         os.environ.update(json.loads(kt))
         vllm_kt_plugin.register()
         llm = {"quantization": "kt-hybrid"}
-    answers = _engine_answers(model, prompts, 16, "bfloat16", [r["ids"] for r in ref] if ref else None, **llm)
+    answers = engine_answers(model, prompts, 16, "bfloat16", [r["ids"] for r in ref] if ref else None, **llm)
     print("RESULT " + json.dumps(answers), flush=True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -16,7 +17,9 @@ from vllm_kt_tools.model_check.checkpoint import (
     rename_tensors,
     renamed,
     transpose_tensors,
+    weights_folder,
     with_config_json,
+    write_processor,
 )
 from vllm_kt_tools.model_check.recipes import RECIPES
 
@@ -132,3 +135,42 @@ def test_a_text_config_key_of_config_json_is_merged_into_the_written_text_config
     assert merged["text_config"]["hidden_act"] == "swigluoai" and merged["text_config"]["hidden_size"] == 128
     assert merged["vision_config"]["hidden_size"] == 64 and "img_token_compression_config" in merged["vision_config"]
     assert "x" not in merged
+
+
+def test_a_processor_s_parts_that_share_a_file_name_are_all_written(tmp_path: Path) -> None:
+    # Gemma 3n's image processor and audio feature extractor both save preprocessor_config.json
+    # alone: the processor's config holds both (as vLLM's EmbeddingGemma2Processor needs its three)
+    named = {
+        "image_token": "<|image|>",
+        "boi_token": "<|image>",
+        "eoi_token": "<image|>",
+        "audio_token": "<|audio|>",
+        "boa_token": "<|audio>",
+        "eoa_token": "<audio|>",
+    }
+    add_special_tokens(tmp_path, (), named)
+    write_processor(tmp_path, "Gemma3nProcessor", "gemma3n")
+    config = json.loads((tmp_path / "processor_config.json").read_text())
+    assert config["processor_class"] == "Gemma3nProcessor"
+    assert config["feature_extractor"]["feature_extractor_type"] == "Gemma3nAudioFeatureExtractor"
+    assert config["image_processor"]["image_processor_type"].startswith("SiglipImageProcessor")
+
+
+def test_an_image_processor_alone_writes_its_own_config(tmp_path: Path) -> None:
+    write_processor(tmp_path, "AriaImageProcessor", "aria")
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert config["image_processor_type"] == "AriaImageProcessor"
+    assert not (tmp_path / "processor_config.json").exists()
+
+
+def test_weights_go_to_the_folder_vllm_s_class_reads_them_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kt_tools.support import vllm_internals
+
+    class Diffusers:  # Cosmos3-Edge's: the released checkpoint's transformer/ and vision_encoder/
+        allow_patterns_overrides = ["[tv]*er/*.safetensors"]
+
+    monkeypatch.setattr(
+        vllm_internals, "model_class", lambda architecture: Diffusers if architecture == "D" else object
+    )
+    assert weights_folder("D") == "transformer"
+    assert weights_folder("Other") is None

@@ -450,3 +450,21 @@ def test_cpu_router_fix_is_applied_once(own_cpu_routing) -> None:
     patched = own_cpu_routing._compute_routing
     assert patched is not own and patched.__wrapped__ is own
     assert route_ungrouped_sigmoid_on_cpu() and own_cpu_routing._compute_routing is patched
+
+
+def test_a_config_whose_layer_kinds_name_no_moe_layer_declares_no_routed_experts() -> None:
+    from transformers import JambaConfig, NemotronHConfig
+    from vllm.transformers_utils.configs.cosmos3_edge import Cosmos3EdgeConfig
+
+    from vllm_kt_plugin.hybrid.vllm_compat import routed_expert_counts
+
+    # Cosmos3-Edge's text config is Nemotron-H's with attention and plain MLP layers only: the
+    # expert counts it carries are Nemotron-H's defaults
+    cosmos = Cosmos3EdgeConfig()
+    assert cosmos.get_text_config().n_routed_experts > 0
+    assert routed_expert_counts(cosmos) == (0, 0)
+    moe = NemotronHConfig(layers_block_type=["mamba", "moe", "attention", "moe"])
+    assert routed_expert_counts(moe) == (moe.n_routed_experts, moe.num_experts_per_tok)
+    # Jamba's layer kinds are its mixers only: its MoE layers come from expert_layer_period
+    jamba = JambaConfig()
+    assert routed_expert_counts(jamba) == (jamba.num_experts, jamba.num_experts_per_tok)

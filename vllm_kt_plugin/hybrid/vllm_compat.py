@@ -459,16 +459,38 @@ def route_ungrouped_sigmoid_on_cpu() -> bool:
     return True
 
 
+# Per-layer lists that say which decoder layers are MoE layers: Nemotron-H's layer kinds (a
+# list of mixer kinds only, as Jamba's, says nothing of the MLPs) and DeepSeek's and GLM's MLP
+# kinds. vLLM's convertor reads the expert counts alone, which a config with no MoE layer may
+# still carry as its class's defaults: Cosmos3-Edge's config subclasses Nemotron-H's (8 routed
+# experts) and lists attention and plain MLP layers only.
+def _has_moe_layers(text_config: Any) -> bool | None:
+    kinds = getattr(text_config, "layers_block_type", None)
+    if isinstance(kinds, list | tuple) and {"mlp", "moe"} & set(kinds):
+        return "moe" in kinds
+    kinds = getattr(text_config, "mlp_layer_types", None)
+    if isinstance(kinds, list | tuple) and kinds:
+        return any(kind != "dense" for kind in kinds)
+    return None
+
+
 def routed_expert_counts(hf_config: Any) -> tuple[int, int]:
     """(routed experts per layer, experts per token) as vLLM 0.32 reads them for the model:
-    through the convertor registered for its ``model_type`` (the base convertor else)."""
+    through the convertor registered for its ``model_type`` (the base convertor else); (0, 0)
+    where the config lists its layers' kinds and none is a MoE layer (``_has_moe_layers``)."""
+    # vLLM's convertor module and vllm.config.model import each other: imported first, the
+    # convertor's import fails half-done (a process that has loaded no vLLM config yet)
+    import vllm.config  # noqa: F401
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
         ModelArchConfigConvertorBase,
     )
 
+    text = hf_config.get_text_config()
+    if _has_moe_layers(text) is False:
+        return 0, 0
     convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(getattr(hf_config, "model_type", ""), ModelArchConfigConvertorBase)
-    convertor = convertor_cls(hf_config, hf_config.get_text_config())
+    convertor = convertor_cls(hf_config, text)
     return convertor.get_num_experts(), convertor.get_num_experts_per_token()
 
 

@@ -191,19 +191,80 @@ def write_checkpoint(architecture: str, out_dir: str | Path, seed: int = 0) -> P
         rename_tensors(out, recipe.renames)
     if recipe.transposed:
         transpose_tensors(out, recipe.transposed)
+    folder = weights_folder(architecture)
+    if folder:
+        (out / folder).mkdir(exist_ok=True)
+        for path in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]:
+            path.rename(out / folder / path.name)
     if recipe.config_json:
         merged = with_config_json(json.loads((out / "config.json").read_text()), recipe.config_json)
         (out / "config.json").write_text(json.dumps(merged, indent=2))
     if recipe.image_processor:
-        import transformers
-
-        getattr(transformers, recipe.image_processor)().save_pretrained(out)
+        write_processor(out, recipe.image_processor, recipe.model_type)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 4, "do_sample": False}))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "MODEL_CHECK.json").write_text(
         json.dumps({"architecture": architecture, "version": CHECKPOINT_VERSION, "weights": weights})
     )
     return out
+
+
+# The released Diffusers layout's folders (Cosmos3-Edge's checkpoint: transformer/, vision_encoder/)
+DIFFUSERS_FOLDERS = ("transformer", "vision_encoder")
+
+
+def weights_folder(architecture: str) -> str | None:
+    """Where vLLM's model class of ``architecture`` reads weights only from sub-folders (its
+    ``allow_patterns_overrides``: the released Diffusers layout), the first of DIFFUSERS_FOLDERS
+    they match, which the tiny model's safetensors go to; else None (the top folder)."""
+    from fnmatch import fnmatch
+
+    from vllm_kt_tools.support import vllm_internals
+
+    try:
+        patterns = getattr(vllm_internals.model_class(architecture), "allow_patterns_overrides", None) or []
+    except Exception:  # noqa: BLE001 - a module that does not import here: plain vLLM will say so
+        return None
+    folders = [f for f in DIFFUSERS_FOLDERS if any(fnmatch(f"{f}/model.safetensors", p) for p in patterns)]
+    return folders[0] if folders else None
+
+
+# A processor's parts -> transformers' auto mapping naming each model_type's class of that part.
+_PART_MAPPINGS = {
+    "image_processor": "image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES",
+    "feature_extractor": "feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING_NAMES",
+    "video_processor": "video_processing_auto.VIDEO_PROCESSOR_MAPPING_NAMES",
+}
+
+
+def processor_part(part: str, model_type: str) -> Any:
+    """transformers' default ``part`` (image processor, feature extractor, video processor) of
+    ``model_type``: its torchvision class where it names one per backend."""
+    import importlib
+
+    import transformers
+
+    module, mapping = _PART_MAPPINGS[part].rsplit(".", 1)
+    names = getattr(importlib.import_module(f"transformers.models.auto.{module}"), mapping)[model_type]
+    name = (names.get("torchvision") or names["pil"]) if isinstance(names, dict) else names
+    return getattr(transformers, name)()
+
+
+def write_processor(out: Path, name: str, model_type: str) -> None:
+    """The config of transformers' class ``name`` in ``out``: an image processor's alone, or a
+    processor's with its parts' defaults for ``model_type`` (where two parts would write the same
+    preprocessor_config.json, e.g. an image processor and an audio feature extractor)."""
+    import transformers
+
+    cls = getattr(transformers, name)
+    if not issubclass(cls, transformers.ProcessorMixin):
+        cls().save_pretrained(out)
+        return
+    parts = {
+        part: tokenizer_of(out) if part == "tokenizer" else processor_part(part, model_type)
+        for part in cls.get_attributes()
+    }
+    cls(**parts).save_pretrained(out)
 
 
 def name_architecture(out: Path, architecture: str) -> None:

@@ -37,7 +37,7 @@ def _steps(top: Sequence[Mapping[int, float]]) -> tuple[list[list[float]], list[
     return [[lp for _, lp in step] for step in ranked], [[t for t, _ in step] for step in ranked]
 
 
-def _engine_answers(
+def engine_answers(
     model: str, prompts: list[list[int]], max_tokens: int, dtype: str, reference: list[list[int]] | None, **llm: Any
 ) -> list[dict[str, Any]]:
     """One in-process engine's answers, each reference continuation (default: its own)
@@ -82,11 +82,11 @@ def in_process_answers(
     for dtype in dtypes:
         if dtype == "float32" and "bfloat16" in answers:
             try:  # plain vLLM may run bf16 only (e.g. bf16-only attention kernels): measured, not fatal
-                answers[dtype] = _engine_answers(model, prompts, max_tokens, dtype, None)
+                answers[dtype] = engine_answers(model, prompts, max_tokens, dtype, None)
             except Exception as error:  # noqa: BLE001 - the caller records it as the float32 reason
                 answers["float32_error"] = f"{type(error).__name__}: {error}".splitlines()[0][:400]
             continue
-        answers[dtype] = _engine_answers(model, prompts, max_tokens, dtype, None)
+        answers[dtype] = engine_answers(model, prompts, max_tokens, dtype, None)
     if kt_float32 is not None and "float32" in answers:
         import vllm_kt_plugin
 
@@ -94,7 +94,7 @@ def in_process_answers(
         vllm_kt_plugin.register()  # what vLLM's plugin loader would have called
         reference = [r["ids"] for r in answers["float32"]]
         try:
-            answers["kt_float32"] = _engine_answers(
+            answers["kt_float32"] = engine_answers(
                 model, prompts, max_tokens, "float32", reference, quantization="kt-hybrid"
             )
         except Exception as error:  # noqa: BLE001 - reported with the log's tail by the caller

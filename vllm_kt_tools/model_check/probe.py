@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_kt_tools.model_check.engines import ENGINE_TIMEOUT_S, _engine_answers, plain_env
+from vllm_kt_tools.model_check.engines import ENGINE_TIMEOUT_S, engine_answers, plain_env
 from vllm_kt_tools.support.child import run_child
 
 PROBE_TOKENS = 2
@@ -21,7 +21,7 @@ PROBE_TOKENS = 2
 
 def dummy_answers(model: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Runs in the child process (``with_dummy_weights``): plain vLLM's answers with vLLM's dummy weights."""
-    return _engine_answers(model, prompts, PROBE_TOKENS, "bfloat16", None, load_format="dummy")
+    return engine_answers(model, prompts, PROBE_TOKENS, "bfloat16", None, load_format="dummy")
 
 
 def with_dummy_weights(model: Path, prompts: list[list[int]], log_path: Path) -> str | None:

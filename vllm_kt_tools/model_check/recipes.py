@@ -92,8 +92,9 @@ class Recipe:
     reference_plugins: tuple[str, ...] = field(default=(), repr=False)
     # The next four shape the checkpoint but stay out of the repr: checkpoint.checkpoint_dir adds
     # them to the cache key only where set, so the other recipes' cached models keep their keys.
-    # transformers' image processor class whose config the checkpoint carries (vLLM's multimodal
-    # models load it at start even for text prompts)
+    # transformers' image processor class, or processor class (its parts' defaults: an audio
+    # feature extractor too), whose config the checkpoint carries (vLLM's multimodal models load
+    # it at start even for text prompts: checkpoint.write_processor)
     image_processor: str | None = field(default=None, repr=False)
     # special tokens added to the tiny tokenizer, where vLLM's renderer of the architecture
     # looks them up at start
@@ -362,15 +363,68 @@ RECIPES: dict[str, Recipe] = {
         },
     ),
     # Gemma 4's dense decoder (gemma4's Gemma4MLP only) under an embedding head: a pooling model in vLLM.
-    # Not run yet: vLLM's EmbeddingGemma2Processor loads at start an image, a video and an audio
-    # processor and the tokenizer's image/audio tokens, which the tiny model lacks ("Can't load
-    # feature extractor", 2026-12-07-34.json)
     "EmbeddingGemma2Model": Recipe(
         "embedding_gemma2",
         {
             "layer_types": ["sliding_attention", "full_attention"],
             "hidden_size_per_layer_input": 0,
             "embedding_dim": HIDDEN,
+        },
+        # vLLM's EmbeddingGemma2Processor loads at start an image, a video and an audio processor
+        # ("Can't load feature extractor", 2026-12-07-34.json): the processor's config holds all three
+        image_processor="EmbeddingGemma2Processor",
+        # transformers' processor reads these tokenizer attributes (Gemma 4's spellings); it adds
+        # the video token itself
+        named_tokens={
+            "image_token": "<|image|>",
+            "boi_token": "<|image>",
+            "eoi_token": "<image|>",
+            "audio_token": "<|audio|>",
+            "boa_token": "<|audio>",
+            "eoa_token": "<audio|>",
+        },
+        special_tokens=("<|video|>",),
+        token_ids={
+            "image_token_id": "<|image|>",
+            "boi_token_id": "<|image>",
+            "eoi_token_id": "<image|>",
+            "audio_token_id": "<|audio|>",
+            "boa_token_id": "<|audio>",
+            "eoa_token_index": "<audio|>",
+            "video_token_id": "<|video|>",
+        },
+    ),
+    # NVIDIA's Nemotron-H attention and MLP layers (dense: no MoE layer) under a SigLIP2 vision tower
+    "Cosmos3EdgeForConditionalGeneration": Recipe(
+        "cosmos3_edge",
+        # vLLM's multimodal rope splits the rotary half of the head (16) into mRoPE's t, h, w sections
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 100000000.0, "mrope_section": [6, 5, 5]}},
+        outer={"vision_config": _ARIA_VISION, "projector_hidden_size": 256},
+        # vLLM reads the projector's sizes of the released config's projector_config, which
+        # transformers' class keeps as vision_config.hidden_size and projector_hidden_size
+        config_json={
+            "projector_config": {
+                "input_hidden_size": _ARIA_VISION["hidden_size"],
+                "spatial_merge_size": 2,
+                "merger_intermediate_size": 256,
+                "out_hidden_size": HIDDEN,
+                "use_postshuffle_norm": False,
+            },
+        },
+        # transformers' save writes the released text names (layers.N.mlp.up_proj, self_attn.to_q),
+        # and renames the vision tower's MLP so too, which vLLM's SigLIP2 tower reads as fc1/fc2
+        renames={
+            "model.visual.encoder.layers.0.mlp.up_proj.": "model.visual.encoder.layers.0.mlp.fc1.",
+            "model.visual.encoder.layers.0.mlp.down_proj.": "model.visual.encoder.layers.0.mlp.fc2.",
+        },
+        # vLLM's processor loads the image and the video processor at start, text prompts too
+        image_processor="Cosmos3EdgeProcessor",
+        special_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+        token_ids={
+            "image_token_id": "<|image_pad|>",
+            "video_token_id": "<|video_pad|>",
+            "vision_start_token_id": "<|vision_start|>",
+            "vision_end_token_id": "<|vision_end|>",
         },
     ),
     "Qwen4ExpForCausalLM": Recipe("qwen4_exp_text", _QWEN4_EXP),

@@ -42,6 +42,7 @@ from vllm_kt_tools.model_check.recipes import (
     Recipe,
 )
 from vllm_kt_tools.support.tiny_models import PROMPTS, training_text
+from vllm_kt_tools.support.vllm_internals import model_class
 
 SERVED, REFUSED, CANNOT_CHECK, FAILED, NO_RECIPE = (
     "served",
@@ -63,7 +64,8 @@ BF16_DRIFT_BOUND = 0.1
 HALF_ON_CPU = {"KT_NUM_GPU_EXPERTS": str(NUM_EXPERTS // 2)}
 # The plugin's log lines the verdict reads (hybrid/moe_method.py).
 _CPU_SIDE = re.compile(r"kt-hybrid: each MoE layer keeps (.*?); GPU side: \S+, CPU side: (\S+) (\S+)")
-_CONFIG_ERROR = re.compile(r"(--quantization='kt-hybrid' is invalid \(.*)")
+# (an in-process engine gets the line inside pydantic's ValidationError, whose " [type=..." tail is vLLM's)
+_CONFIG_ERROR = re.compile(r"(--quantization='kt-hybrid' is invalid \(.*?)(?: \[type=|$)", re.M)
 
 
 def prompt_ids(model: Path) -> list[list[int]]:
@@ -159,17 +161,6 @@ def plain_failure_status(reason: str) -> str:
     """CANNOT_CHECK where plain vLLM cannot run the architecture here; NO_RECIPE where it
     rejected our tiny model (``_TINY_MODEL_REJECTED``): the row is then not checked yet."""
     return NO_RECIPE if _TINY_MODEL_REJECTED.match(reason) else CANNOT_CHECK
-
-
-def model_class(architecture: str) -> Any:
-    """vLLM's model class of a registry architecture, imported as the registry would."""
-    import importlib
-
-    from vllm_kt_tools.support.vllm_internals import registry_models
-
-    module, cls = registry_models()[architecture]
-    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
-    return getattr(importlib.import_module(name), cls)
 
 
 def refuses_this_platform(architecture: str) -> str | None:

@@ -240,7 +240,8 @@ def _measured(result: dict[str, Any]) -> str:
         )
     f32 = checks.get("float32")
     if f32:
-        parts.append(f"float32 ({f32['backend']}): drift {f32['drift']:.1g}")
+        # the backend alone: the torch backend computes in float32 whatever KT_METHOD the log names
+        parts.append(f"float32 ({str(f32['backend']).split()[0]}): drift {f32['drift']:.1g}")
     elif result.get("float32"):
         parts.append(f"float32 not run: {result['float32']}")
     parts.append(f"{result.get('weights', '')}; {result.get('seconds', 0):.0f} s ({result['run']})")

@@ -96,6 +96,15 @@ def registry_models() -> Mapping[str, tuple[str, str]]:
     return _VLLM_MODELS
 
 
+def model_class(architecture: str) -> Any:
+    """vLLM's model class of a registry architecture, imported as the registry would."""
+    import importlib
+
+    module, cls = registry_models()[architecture]
+    name = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    return getattr(importlib.import_module(name), cls)
+
+
 def config_registry() -> Mapping[str, type]:
     """vLLM's config registry: model_type -> the config class vLLM ships for it."""
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
