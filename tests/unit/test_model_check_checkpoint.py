@@ -140,14 +140,7 @@ def test_a_text_config_key_of_config_json_is_merged_into_the_written_text_config
 def test_a_processor_s_parts_that_share_a_file_name_are_all_written(tmp_path: Path) -> None:
     # Gemma 3n's image processor and audio feature extractor both save preprocessor_config.json
     # alone: the processor's config holds both (as vLLM's EmbeddingGemma2Processor needs its three)
-    named = {
-        "image_token": "<|image|>",
-        "boi_token": "<|image>",
-        "eoi_token": "<image|>",
-        "audio_token": "<|audio|>",
-        "boa_token": "<|audio>",
-        "eoa_token": "<audio|>",
-    }
+    named = RECIPES["EmbeddingGemma2Model"].named_tokens  # the tokenizer attributes Gemma 3n's processor reads too
     add_special_tokens(tmp_path, (), named)
     write_processor(tmp_path, "Gemma3nProcessor", "gemma3n")
     config = json.loads((tmp_path / "processor_config.json").read_text())

@@ -293,27 +293,18 @@ def rows(results: dict[str, dict[str, Any]] | None = None) -> list[Row]:
     return list(table.values())
 
 
+# A base's statuses its drafts and wrappers take with it (``_draft_row``), and how their row says so.
+_INHERITED = {CANNOT_CHECK: "which cannot be checked here", REFUSED: "which kt-hybrid refuses at config time"}
+
+
 def _draft_row(row: Row, base: str, kind: str, base_row: Row) -> Row:
     """A draft's or wrapper's row (``DRAFT_OF``): it runs only with its base, so where the base
     cannot be checked here neither can it, for the base's reason, and where kt-hybrid refuses the
     base's config it refuses the draft's run with it; otherwise it stays not checked, saying whose
     status it follows."""
-    if base_row.status == CANNOT_CHECK:
-        return Row(
-            row.architecture,
-            row.module,
-            CANNOT_CHECK,
-            "",
-            f"{kind} of `{base}`, which cannot be checked here: {base_row.detail}",
-        )
-    if base_row.status == REFUSED:  # kt-hybrid refuses the base's config, which the draft runs beside
-        return Row(
-            row.architecture,
-            row.module,
-            REFUSED,
-            "",
-            f"{kind} of `{base}`, which kt-hybrid refuses at config time: {base_row.detail}",
-        )
+    if base_row.status in _INHERITED:
+        said = _INHERITED[base_row.status]
+        return Row(row.architecture, row.module, base_row.status, "", f"{kind} of `{base}`, {said}: {base_row.detail}")
     said = "served (a row taken only where it builds the base's MoE layers)" if base_row.status == SERVED else ""
     return Row(row.architecture, row.module, NOT_CHECKED, "", f"{kind} of `{base}`, {said or base_row.status}")
 
