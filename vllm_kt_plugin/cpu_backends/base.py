@@ -169,6 +169,10 @@ class CPUExperts(ABC):
         self.spec = spec
         self.settings = settings
 
+    def describe(self) -> str:
+        """The CPU side as kt-hybrid's start-up log names it: backend, method, threads."""
+        return f"{self.name} {self.settings.method} with {self.settings.cpuinfer_threads} threads"
+
     @property
     def wants_all_experts(self) -> bool:
         """Whether ``load_checkpoint_tensor`` should also receive the GPU experts' tensors

@@ -114,6 +114,10 @@ class TorchExperts(CPUExperts):
         self._loaded = False
         self._result: torch.Tensor | None = None
 
+    def describe(self) -> str:
+        # KT_METHOD=BF16 names what it accepts; it computes in float32, on torch's own threads
+        return f"torch float32 with {torch.get_num_threads()} threads"
+
     def load_loaded_experts(self, tensors: Mapping[str, torch.Tensor]) -> None:
         def f32(name: str) -> torch.Tensor | None:
             tensor = tensors.get(name)

@@ -241,12 +241,12 @@ class KTHybridMoEMethod(FusedMoEMethodBase):
         self._create_args: dict[str, Any] = {}
         context.process.add_layer(self)
         logger.info_once(
-            "kt-hybrid: each MoE layer keeps %s; GPU side: %s, CPU side: %s %s with %d threads",
+            "kt-hybrid: each MoE layer keeps %s; GPU side: %s, CPU side: %s",
             self.placement.describe(),
             type(self.native).__name__,
-            self.cpu.name if self.cpu is not None else settings.backend,
-            settings.method,
-            settings.cpuinfer_threads,
+            self.cpu.describe()
+            if self.cpu is not None
+            else f"{settings.backend} {settings.method} with {settings.cpuinfer_threads} threads",
         )
 
     # --- weights -----------------------------------------------------------------------
