@@ -153,6 +153,15 @@ def test_why_an_architecture_cannot_be_checked_is_measured() -> None:
         assert run.plain_failure_status(ours) == run.NO_RECIPE
 
 
+def test_a_raw_error_gets_its_cause_in_words() -> None:
+    """A Triton launch on vLLM's CPU build (no triton-cpu) says so; another error stays as it came."""
+    triton = "plain vLLM fails here: TypeError: 'function' object is not subscriptable (x.py:1)"
+    other = "plain vLLM fails here: NotImplementedError: Sparse Attention is not supported on CPU."
+    for reason, cause in ((triton, "triton-cpu, which PyPI does not have"), (other, None)):
+        row = supported_models._row("A", "a", {"status": "cannot be checked here", "reason": reason})
+        assert row.detail.startswith(reason) and (cause in row.detail if cause else row.detail == reason)
+
+
 def test_json_written_by_the_tool_round_trips(tmp_path: Path) -> None:
     """The table reads whatever runs are committed, a later file replacing an earlier one's
     entry for the same architecture."""

@@ -251,6 +251,18 @@ def _measured(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+# What a raw error of plain vLLM means, where the error alone does not say (measured: see each).
+_CAUSES = (
+    # vllm/triton_utils/importing.py logs "Triton is installed, but doesn't include CPU backend.
+    # Disabling Triton." and leaves @triton.jit kernels plain functions; `pip download
+    # triton-cpu` finds none (vLLM's CPU image builds it from source)
+    (
+        "'function' object is not subscriptable",
+        "a Triton kernel launch: vLLM's CPU build runs them through triton-cpu, which PyPI does not have",
+    ),
+)
+
+
 def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
     if result is None:
         reused = reused_moe_modules(module)
@@ -264,6 +276,8 @@ def _row(arch: str, module: str, result: dict[str, Any] | None) -> Row:
     bf16 = (result.get("checks") or {}).get("bfloat16") or {}
     backend = (bf16.get("backend") or "").split(" ")[0] if status == SERVED else ""
     detail = _measured(result) if status == SERVED else str(result.get("reason") or "")
+    if status == CANNOT_CHECK:
+        detail += "".join(f" ({cause})" for error, cause in _CAUSES if error in detail)
     if result.get("reference"):  # plain vLLM with a fix of its CPU build (model_check.run.reference)
         detail = f"reference: {result['reference']}; {detail}"
     model_type = E2E_MODELS.get(arch)
