@@ -669,6 +669,9 @@ RECIPES: dict[str, Recipe] = {
             "index_topk": 512,
             "n_group": 1,
             "topk_group": 1,
+            # vLLM's gate holds e_score_correction_bias only with it (deepseek_v2.py), and
+            # transformers' saves one: KeyError on vLLM's CUDA build (cuda-host run 4)
+            "topk_method": "noaux_tc",
         },
         layers=3,
         # the per-layer lists left to the config class, which derives them from first_k_dense_replace:
@@ -699,6 +702,9 @@ RECIPES: dict[str, Recipe] = {
             "linear_head_dim": 64,
             "linear_num_heads": 2,
             "num_expert_group": 1,
+            # vLLM's Kimi MLA asserts it (kimi_k3/nvidia/model.py: "Kimi-K3 MLA ... is NoPE-only",
+            # cuda-host run 7); transformers' config class does not write it
+            "mla_use_nope": True,
         },
         layers=3,
     ),
