@@ -86,6 +86,26 @@ def test_gpt_oss_experts_interleaved_with_biases_and_a_clamp() -> None:
     assert torch.allclose(_run(backend, X, IDS, WEIGHTS), _expected(expert, tensors, bias=True), atol=1e-3)
 
 
+def test_minimax_m3_experts_as_vllms_silu_and_mul_with_clamp() -> None:
+    """vLLM's swigluoai_uninterleave: gate and up in w13's halves, computed by vLLM's
+    SiluAndMulWithClamp (its forward_native, vLLM's own definition) with the layer's limit,
+    alpha and beta; kt-kernel cannot compute it, so the torch backend serves the layer."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.activation import SiluAndMulWithClamp
+
+    op = SimpleNamespace(swiglu_limit=1.5, alpha=1.702, beta=1.0)
+    math = ExpertMath(activation="swigluoai_uninterleave", clamp=op.swiglu_limit, alpha=op.alpha, beta=op.beta)
+    backend, tensors = _backend(math)
+    expected = _expected(lambda h: SiluAndMulWithClamp.forward_native(op, h), tensors, bias=False)
+    assert torch.allclose(_run(backend, X, IDS, WEIGHTS), expected, atol=1e-4)
+    assert KTKernelExperts.cannot_compute(math) is not None and TorchExperts.cannot_compute(math) is None
+    assert backend_for("layer", math, KTKernelExperts, KTSettings(), CheckpointFormat()) is TorchExperts
+    # an offset the torch backend's other activations do not take, and vLLM's required limit
+    assert "offsets" in (TorchExperts.cannot_compute(ExpertMath(beta=1.0)) or "")
+    assert "swiglu_limit" in (TorchExperts.cannot_compute(replace(math, clamp=None)) or "")
+
+
 def test_router_weights_on_the_input_and_a_clamped_silu() -> None:
     math = ExpertMath(clamp=0.5, router_weight_on_input=True)
     backend, tensors = _backend(math)

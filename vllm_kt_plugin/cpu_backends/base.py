@@ -64,13 +64,14 @@ class Diagnostic:
 class ExpertMath:
     """What each expert of a layer computes, as vLLM's layer declares it: ``activation``
     (vLLM's MoEActivation value: "silu" is SiLU(gate) * up; a "_no_mul" suffix means no
-    gate), biases on both projections, SwiGLU's clamp and scale (gpt-oss, DeepSeek-V4), and
-    router weights applied to the expert's input instead of its output (Llama 4)."""
+    gate), biases on both projections, SwiGLU's clamp, scale and offset (gpt-oss, DeepSeek-V4,
+    MiniMax-M3), and router weights applied to the expert's input instead of its output (Llama 4)."""
 
     activation: str = "silu"
     has_bias: bool = False
     clamp: float | None = None  # SwiGLU's clamp of gate and up
     alpha: float | None = None  # SwiGLU's scale inside the sigmoid
+    beta: float | None = None  # SwiGLU's offset added to up (MiniMax-M3's swigluoai_uninterleave)
     router_weight_on_input: bool = False
 
     def differences(self) -> list[str]:
@@ -81,8 +82,8 @@ class ExpertMath:
             out.append(f"{self.activation} activation")
         if self.has_bias:
             out.append("biases")
-        if self.clamp is not None or self.alpha is not None:
-            out.append(f"a clamped/scaled SwiGLU (limit {self.clamp}, alpha {self.alpha})")
+        if self.clamp is not None or self.alpha is not None or self.beta is not None:
+            out.append(f"a clamped/scaled SwiGLU (limit {self.clamp}, alpha {self.alpha}, beta {self.beta})")
         if self.router_weight_on_input:
             out.append("router weights applied to the input")
         return out

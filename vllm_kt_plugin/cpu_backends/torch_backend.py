@@ -49,17 +49,30 @@ def _swigluoai(h: torch.Tensor, math: ExpertMath) -> torch.Tensor:
     return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
+def _swigluoai_uninterleave(h: torch.Tensor, math: ExpertMath) -> torch.Tensor:
+    """MiniMax-M3: gate and up in w13's halves, gate * sigmoid(alpha * gate) * (up + beta)
+    (vLLM's SiluAndMulWithClamp; alpha 1 and beta 0 where the layer states none)."""
+    alpha = 1.0 if math.alpha is None else math.alpha
+    beta = 0.0 if math.beta is None else math.beta
+    gate, up = _clamped(*_halves(h), math.clamp)
+    return gate * torch.sigmoid(alpha * gate) * (up + beta)
+
+
 # vLLM's MoEActivation value -> the expert's activation on x @ w13.T (+ bias).
 ACTIVATIONS: Mapping[str, Callable[[torch.Tensor, ExpertMath], torch.Tensor]] = {
     "silu": _silu,
     "gelu": lambda h, m: F.gelu(_halves(h)[0]) * _halves(h)[1],
     "gelu_tanh": lambda h, m: F.gelu(_halves(h)[0], approximate="tanh") * _halves(h)[1],
     "swigluoai": _swigluoai,
+    "swigluoai_uninterleave": _swigluoai_uninterleave,
     "silu_no_mul": lambda h, m: F.silu(h),
     "gelu_no_mul": lambda h, m: F.gelu(h),
     "gelu_tanh_no_mul": lambda h, m: F.gelu(h, approximate="tanh"),
     "relu2_no_mul": lambda h, m: F.relu(h).square(),
 }
+
+# the activations that take the layer's alpha
+_SCALED = ("swigluoai", "swigluoai_uninterleave")
 
 
 class TorchExperts(CPUExperts):
@@ -70,8 +83,12 @@ class TorchExperts(CPUExperts):
     def cannot_compute(cls, math: ExpertMath) -> str | None:
         if math.activation not in ACTIVATIONS:
             return f"the torch backend has no {math.activation} activation (it has {', '.join(ACTIVATIONS)})"
-        if math.alpha is not None and math.activation != "swigluoai":
-            return f"the torch backend scales SwiGLU only in swigluoai, not in {math.activation}"
+        if math.alpha is not None and math.activation not in _SCALED:
+            return f"the torch backend scales SwiGLU only in {' and '.join(_SCALED)}, not in {math.activation}"
+        if math.beta is not None and math.activation != "swigluoai_uninterleave":
+            return f"the torch backend offsets SwiGLU's up only in swigluoai_uninterleave, not in {math.activation}"
+        if math.activation == "swigluoai_uninterleave" and math.clamp is None:
+            return "swigluoai_uninterleave without a swiglu_limit (vLLM's kernels require one)"
         return None
 
     @classmethod

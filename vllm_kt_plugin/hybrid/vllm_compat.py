@@ -175,6 +175,12 @@ TOUCHES: tuple[Touch, ...] = (
         "not None for a scaled SwiGLU (gpt-oss), which kt-kernel does not compute",
     ),
     Touch(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts",
+        "swiglu_beta",
+        "instance",
+        "not None for SwiGLU's offset of up (MiniMax-M3), which kt-kernel does not compute",
+    ),
+    Touch(
         "vllm.model_executor.layers.fused_moe.config:FusedMoEConfig",
         "is_lora_enabled",
         "instance",
@@ -894,12 +900,14 @@ def holding_scheduler_class(async_scheduling: bool) -> type:
 def expert_math(layer: RoutedExperts) -> ExpertMath:
     """What each expert of ``layer`` computes, from what vLLM 0.32 keeps on the layer and its
     ``FusedMoEConfig``: ``activation`` (a MoEActivation), ``has_bias``, ``swiglu_limit`` and
-    ``swiglu_alpha`` (gpt-oss, DeepSeek-V4), ``apply_router_weight_on_input`` (Llama 4)."""
+    ``swiglu_alpha`` (gpt-oss, DeepSeek-V4), ``swiglu_beta`` (MiniMax-M3),
+    ``apply_router_weight_on_input`` (Llama 4)."""
     moe = layer.moe_config
     return ExpertMath(
         activation=moe.activation.value,
         has_bias=bool(moe.has_bias),
         clamp=layer.swiglu_limit,
         alpha=layer.swiglu_alpha,
+        beta=layer.swiglu_beta,
         router_weight_on_input=bool(layer.apply_router_weight_on_input),
     )

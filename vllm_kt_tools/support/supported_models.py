@@ -260,6 +260,13 @@ _CAUSES = (
         "'function' object is not subscriptable",
         "a Triton kernel launch: vLLM's CPU build runs them through triton-cpu, which PyPI does not have",
     ),
+    # the oracle logs each backend's reason at DEBUG only; VLLM_LOGGING_LEVEL=DEBUG on MiniMax-M3's tiny
+    # model (2026-12-08): "kernel does not support MoEActivation.SWIGLUOAI_UNINTERLEAVE activation"
+    (
+        "No Unquantized MoE backend supports the deployment configuration",
+        "vLLM's CPU MoE kernels take SiLU, swigluoai, GeLU and GeLU-tanh gated experts; MiniMax-M3's are "
+        "swigluoai_uninterleave, which kt-hybrid's torch backend computes",
+    ),
 )
 
 
